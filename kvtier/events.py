@@ -1,0 +1,49 @@
+"""Cache events for subscribers (vLLM's KV events, metrics)."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Literal
+
+EventKind = Literal["stored", "removed"]
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """Blocks that became loadable (``stored``) or left (``removed``) a medium."""
+
+    keys: tuple[bytes, ...]
+    kind: EventKind
+    medium: str = "CPU"
+
+
+class EventLog:
+    """Events not yet taken, at most ``max_events`` of them.
+
+    When nobody drains the log, the oldest events are dropped and counted in
+    ``dropped``, so an idle subscriber cannot grow memory without bound.
+    """
+
+    __slots__ = ("enabled", "dropped", "_events")
+
+    def __init__(self, enabled: bool, max_events: int = 100_000) -> None:
+        if max_events < 1:
+            raise ValueError(f"max_events must be >= 1, got {max_events}")
+        self.enabled = enabled
+        self.dropped = 0
+        self._events: deque[Event] = deque(maxlen=max_events)
+
+    def emit(self, keys: list[bytes], kind: EventKind, medium: str = "CPU") -> None:
+        """Record one event when enabled and ``keys`` is not empty."""
+        if not self.enabled or not keys:
+            return
+        if len(self._events) == self._events.maxlen:
+            self.dropped += 1
+        self._events.append(Event(tuple(keys), kind, medium))
+
+    def take(self) -> list[Event]:
+        """Return and forget every pending event, oldest first."""
+        out = list(self._events)
+        self._events.clear()
+        return out

@@ -1,0 +1,74 @@
+"""Bounded bookkeeping of lookup leases."""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+
+from kvtier.request import RequestContext
+
+DEFAULT_LEASE_TIMEOUT_S = 60.0
+"""Seconds a request may hold leases without a new lookup before they lapse."""
+
+DEFAULT_MAX_LEASES_PER_REQUEST = 16_384
+"""Keys one request may hold leased (a 256k-token prompt in 16-token blocks)."""
+
+
+class LeaseTable:
+    """Which requests hold leases, how many, and until when.
+
+    Owns an ``OrderedDict`` of requests holding at least one lease, ordered by
+    their last lease grant (so expired holders are at the front), and the total
+    count of leases. Bounds: at most ``per_request`` leases per request and
+    ``total`` in all; a holder's leases lapse ``timeout_s`` seconds after its
+    last grant. The blocks' own lease counts are the manager's.
+    """
+
+    __slots__ = ("per_request", "total", "timeout_s", "held", "_holders")
+
+    def __init__(self, per_request: int, total: int, timeout_s: float) -> None:
+        for name, value in (("max_leases_per_request", per_request), ("max_leased_blocks", total)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+        if not isinstance(timeout_s, (int, float)) or not timeout_s > 0 or math.isnan(timeout_s):
+            raise ValueError(f"lease_timeout_s must be a number > 0, got {timeout_s!r}")
+        self.per_request = per_request
+        self.total = total
+        self.timeout_s = float(timeout_s)
+        self.held = 0
+        self._holders: OrderedDict[RequestContext, None] = OrderedDict()
+
+    def budget(self, ctx: RequestContext) -> int:
+        """How many more leases ``ctx`` may take now."""
+        return min(self.per_request - len(ctx.leased), self.total - self.held)
+
+    def granted(self, ctx: RequestContext, n: int, now: float) -> None:
+        """Record ``n`` new leases of ``ctx`` at time ``now``."""
+        self.held += n
+        ctx.lease_deadline = now + self.timeout_s
+        self._holders[ctx] = None
+        self._holders.move_to_end(ctx)
+
+    def dropped(self, ctx: RequestContext, n: int) -> None:
+        """Record that ``ctx`` gave back ``n`` leases."""
+        self.held -= n
+        if not ctx.leased:
+            self._holders.pop(ctx, None)
+
+    def expired(self, now: float) -> list[RequestContext]:
+        """Holders whose leases lapsed by ``now``, oldest first."""
+        out: list[RequestContext] = []
+        for ctx in self._holders:
+            if ctx.lease_deadline > now:
+                break
+            out.append(ctx)
+        return out
+
+    def has_holders(self) -> bool:
+        """Whether any request holds a lease."""
+        return bool(self._holders)
+
+    def clear(self) -> None:
+        """Forget every lease (the caller forgets the blocks' side)."""
+        self.held = 0
+        self._holders.clear()

@@ -1,0 +1,532 @@
+"""The scheduler-side offload manager: which blocks live in the CPU slots."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from kvtier.admission import AdmissionTracker
+from kvtier.errors import MissingBlocksError, ProtocolError
+from kvtier.events import Event, EventLog
+from kvtier.history import EvictionHistory
+from kvtier.keys import check_keys, key_group
+from kvtier.leases import DEFAULT_LEASE_TIMEOUT_S, DEFAULT_MAX_LEASES_PER_REQUEST, LeaseTable
+from kvtier.policies import EvictionPolicy, make_policy
+from kvtier.request import RequestContext
+from kvtier.results import LoadSpec, LookupResult, PrepareStoreOutput
+
+MAX_MISSING_DETAILS = 16
+"""Missing keys described one by one in a ``MissingBlocksError``."""
+
+
+def _positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    return value
+
+
+class OffloadManager:
+    """Decides which KV blocks occupy the ``num_blocks`` CPU slots; never touches bytes.
+
+    Owns the block table (key -> slot, state, pins, leases), the free slots,
+    the eviction policy, the admission tracker, the lease table, the eviction
+    history, the event log and the counters. Invariants:
+
+    * resident blocks + free slots == ``num_blocks``; slot ids are unique;
+    * only READY blocks without pins or leases are evictable, and the policy's
+      view of evictability always matches the table;
+    * memory is bounded: the table by ``num_blocks``, the tracker by
+      ``max_tracker_size``, the history by ``eviction_history_size``, leases by
+      ``max_leases_per_request`` / ``max_leased_blocks`` (default half the
+      cache) / ``lease_timeout_s``, events by ``max_events``; per-request state
+      lives in the caller's ``RequestContext``.
+
+    Hits and misses count keys: ``lookup`` of k keys with n hits adds n hits
+    and k - n misses; ``lookup_one`` counts HIT and MISS, not HIT_PENDING.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        policy: str = "lru",
+        store_threshold: int = 1,
+        max_tracker_size: int = 64_000,
+        enable_events: bool = False,
+        eviction_history_size: int = 10_000,
+        *,
+        max_leases_per_request: int = DEFAULT_MAX_LEASES_PER_REQUEST,
+        max_leased_blocks: int | None = None,
+        lease_timeout_s: float = DEFAULT_LEASE_TIMEOUT_S,
+        max_events: int = 100_000,
+    ) -> None:
+        self.num_blocks = _positive_int("num_blocks", num_blocks)
+        self.policy: EvictionPolicy = make_policy(policy, num_blocks)
+        tracker = AdmissionTracker(store_threshold, max_tracker_size)
+        self.store_threshold = store_threshold
+        self._tracker = tracker if store_threshold >= 2 else None
+        self._history = EvictionHistory(eviction_history_size)
+        self._events = EventLog(bool(enable_events), max_events)
+        total = max(1, num_blocks // 2) if max_leased_blocks is None else max_leased_blocks
+        self._leases = LeaseTable(max_leases_per_request, total, lease_timeout_s)
+        # The block table, flat for speed: every resident key has a slot; the
+        # keys being written, pinned or leased are also in ``policy.blocked``.
+        self._slot: dict[bytes, int] = {}
+        self._writing: set[bytes] = set()
+        self._pins: dict[bytes, int] = {}
+        self._lease_count: dict[bytes, int] = {}
+        self._blocked = self.policy.blocked
+        self._wants_reuse = self.policy.wants_reuse
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
+        self._epoch = 0
+        self._reset_counters()
+
+    def _reset_counters(self) -> None:
+        self.hits = self.misses = self.stores = self.evictions = 0
+        self.stores_skipped = self.allocation_failures = 0
+
+    # -- request state -------------------------------------------------------
+
+    def _sync(self, ctx: RequestContext) -> None:
+        """Bind ``ctx`` to this manager's current epoch (a reset restarts it)."""
+        try:
+            if ctx.owner is self and ctx.epoch == self._epoch:
+                return
+        except AttributeError:
+            raise TypeError(
+                f"expected a kvtier.RequestContext, got {type(ctx).__name__}"
+            ) from None
+        if ctx.owner is not None and ctx.owner is not self:
+            raise ProtocolError(
+                f"RequestContext {ctx.req_id!r} belongs to another OffloadManager"
+            )
+        if ctx.owner is self:  # from before a reset: owed completions are void
+            ctx.stale.update(ctx.loading)
+            ctx.stale.update(ctx.writing)
+            ctx.loading.clear()
+            ctx.writing.clear()
+            ctx.clear_request_state()
+        ctx.owner = self
+        ctx.epoch = self._epoch
+
+    # -- lookups and leases --------------------------------------------------
+
+    def _is_ready(self, key: bytes) -> bool:
+        return key in self._slot and key not in self._writing
+
+    def lookup(self, keys: Iterable[bytes], ctx: RequestContext) -> int:
+        """Return the length of the leading run of ready keys, leasing them to ``ctx``.
+
+        Leased keys cannot be evicted by other requests' stores until ``ctx``
+        loads them, releases them or finishes. When ``ctx`` or the cache has no
+        lease budget left, the run ends early (a shorter hit, never a bad one).
+        """
+        self._sync(ctx)
+        keys = check_keys(keys)
+        now = self._expire_leases()
+        slot, writing = self._slot, self._writing
+        hits = 0
+        for key in keys:
+            if key not in slot or key in writing:
+                break
+            hits += 1
+        if hits:
+            hits = self._lease_run(keys, hits, ctx, now)
+        self.hits += hits
+        self.misses += len(keys) - hits
+        return hits
+
+    def _lease_run(self, keys: list[bytes], hits: int, ctx: RequestContext, now: float) -> int:
+        """Lease ``keys[:hits]`` to ``ctx`` within its budget; return the leased run."""
+        leased = ctx.leased
+        run = keys[:hits]
+        new = [k for k in run if k not in leased] if leased else run
+        if len(set(new)) != len(new):
+            new = list(dict.fromkeys(new))
+        if not new:
+            return hits
+        budget = self._leases.budget(ctx)
+        if len(new) > budget:
+            hits = self._leased_prefix(run, leased, budget)
+            new = list(dict.fromkeys(k for k in run[:hits] if k not in leased))
+        if new:
+            self._lease(new, leased)
+            self._leases.granted(ctx, len(new), now)
+        return hits
+
+    @staticmethod
+    def _leased_prefix(run: list[bytes], leased: set[bytes], budget: int) -> int:
+        """Length of the longest prefix of ``run`` needing at most ``budget`` new leases."""
+        for i, key in enumerate(run):
+            if key not in leased:
+                if budget <= 0:
+                    return i
+                budget -= 1
+        return len(run)
+
+    def lookup_one(self, key: bytes, ctx: RequestContext) -> LookupResult:
+        """Classify one key; a HIT is leased to ``ctx`` (MISS when out of lease budget)."""
+        self._sync(ctx)
+        check_keys((key,))
+        if key in self._writing:
+            return LookupResult.HIT_PENDING
+        now = self._expire_leases()
+        if key not in self._slot or self._lease_run([key], 1, ctx, now) == 0:
+            self.misses += 1
+            return LookupResult.MISS
+        self.hits += 1
+        return LookupResult.HIT
+
+    def _lease(self, keys: list[bytes], leased: set[bytes]) -> None:
+        """Lease distinct ``keys`` (not leased by this request yet) to a request."""
+        leased.update(keys)
+        count = self._lease_count
+        get = count.get
+        for key in keys:
+            count[key] = get(key, 0) + 1
+        self._blocked.update(keys)
+
+    def _unlease(self, keys: Iterable[bytes]) -> None:
+        count, pins, blocked = self._lease_count, self._pins, self._blocked
+        for key in keys:
+            left = count[key] - 1
+            if left:
+                count[key] = left
+            else:
+                del count[key]
+                if key not in pins:
+                    blocked.discard(key)
+
+    def release(self, ctx: RequestContext) -> None:
+        """Drop the leases ``ctx`` still holds (keys it looked up but will not load)."""
+        self._sync(ctx)
+        self._drop_leases(ctx)
+
+    def _drop_leases(self, ctx: RequestContext) -> None:
+        if not ctx.leased:
+            return
+        n = len(ctx.leased)
+        self._unlease(ctx.leased)
+        ctx.leased.clear()
+        self._leases.dropped(ctx, n)
+
+    def _expire_leases(self) -> float:
+        """Drop leases that outlived ``lease_timeout_s``; return the time now."""
+        now = time.monotonic()
+        if self._leases.has_holders():
+            for ctx in self._leases.expired(now):
+                self._drop_leases(ctx)
+        return now
+
+    # -- loads -------------------------------------------------------------
+
+    def prepare_load(self, keys: Iterable[bytes], ctx: RequestContext) -> LoadSpec:
+        """Pin ready ``keys`` for reading until ``complete_load``; slots in key order.
+
+        Raises ``MissingBlocksError`` (nothing changed) when a key is not
+        resident and ready. A lease of ``ctx`` on a key becomes the pin.
+        """
+        self._sync(ctx)
+        keys = check_keys(keys)
+        slot, writing = self._slot, self._writing
+        missing = [k for k in keys if k not in slot or k in writing]
+        if missing:
+            raise self._missing_error(keys, missing, ctx)
+        pins, loading, leased = self._pins, ctx.loading, ctx.leased
+        for key in keys:
+            pins[key] = pins.get(key, 0) + 1
+            loading[key] = loading.get(key, 0) + 1
+        self._blocked.update(keys)
+        if leased:
+            was_leased = [k for k in dict.fromkeys(keys) if k in leased]
+            if was_leased:
+                leased.difference_update(was_leased)
+                self._unlease(was_leased)
+                self._leases.dropped(ctx, len(was_leased))
+        ctx.log_access(keys)
+        if self._wants_reuse:
+            ctx.reused.update(keys)
+            if ctx.inserted:
+                ctx.reused.difference_update(ctx.inserted)
+        return LoadSpec([slot[k] for k in keys])
+
+    def complete_load(self, keys: Iterable[bytes], ctx: RequestContext) -> None:
+        """Unpin keys loaded by ``ctx``; loads from before a ``reset()`` are ignored."""
+        self._sync(ctx)
+        keys = check_keys(keys)
+        loading = ctx.loading
+        if len(set(keys)) != len(keys) or not loading.keys() >= set(keys):
+            keys = self._check_owed_loads(keys, ctx)
+        pins, blocked, leases = self._pins, self._blocked, self._lease_count
+        for key in keys:
+            left = loading[key] - 1
+            if left:
+                loading[key] = left
+            else:
+                del loading[key]
+            left = pins[key] - 1
+            if left:
+                pins[key] = left
+            else:
+                del pins[key]
+                if key not in leases:
+                    blocked.discard(key)
+
+    @staticmethod
+    def _check_owed_loads(keys: list[bytes], ctx: RequestContext) -> list[bytes]:
+        """Validate a completion against ``ctx``'s loads; return the keys still owed."""
+        loading, stale = ctx.loading, ctx.stale
+        owed = dict.fromkeys(keys, 0)
+        for key in keys:
+            owed[key] += 1
+        for key, n in owed.items():
+            if loading.get(key, 0) < n and key not in stale:
+                raise ProtocolError(
+                    f"complete_load without prepare_load: request {ctx.req_id!r} "
+                    f"has {loading.get(key, 0)} pending load(s) of key {key!r}, "
+                    f"completing {n}"
+                )
+        stale.difference_update(k for k in owed if k not in loading)
+        return [k for k in keys if k in loading]
+
+    # -- stores --------------------------------------------------------------
+
+    def prepare_store(
+        self, keys: Iterable[bytes], ctx: RequestContext
+    ) -> PrepareStoreOutput | None:
+        """Reserve slots for the new keys of an offer, evicting as needed.
+
+        Returns None when no room can be made now (the caller may retry; keys
+        of this offer, pinned, leased and write-pending blocks are never
+        evicted). New keys pass admission first; ready resident keys are
+        reuses. Granted keys are WRITING until ``complete_store``.
+        """
+        self._sync(ctx)
+        keys = check_keys(keys)
+        candidates = self._record_offer(keys, ctx)
+        if candidates and self._tracker is not None:
+            candidates = self._admit(candidates, ctx)
+        if not candidates:
+            return PrepareStoreOutput([], [], [])
+        if self.policy.wants_store_misses:
+            self._show_store_misses(candidates, ctx)
+        evicted = self._make_room(len(candidates), keys)
+        if evicted is None:
+            self.allocation_failures += 1
+            return None
+        return PrepareStoreOutput(candidates, self._allocate(candidates, ctx), evicted)
+
+    def _record_offer(self, keys: list[bytes], ctx: RequestContext) -> list[bytes]:
+        """Note the offer as accesses of ``ctx``; return its new keys, once each."""
+        slot = self._slot
+        ctx.log_access(keys)
+        candidates = [k for k in keys if k not in slot]
+        if len(candidates) < len(keys) and self._wants_reuse:
+            writing, inserted = self._writing, ctx.inserted
+            ctx.reused.update(
+                k for k in keys if k in slot and k not in writing and k not in inserted
+            )
+        if len(candidates) > 1:
+            unique = list(dict.fromkeys(candidates))
+            if len(unique) != len(candidates):
+                candidates = unique
+        return candidates
+
+    def _admit(self, candidates: list[bytes], ctx: RequestContext) -> list[bytes]:
+        if self._tracker is None:
+            return candidates
+        admitted, skipped = self._tracker.record(candidates, ctx.counted)
+        if skipped:
+            seen = ctx.skipped
+            new_skips = [k for k in skipped if k not in seen]
+            seen.update(new_skips)
+            self.stores_skipped += len(new_skips)
+        return admitted
+
+    def _show_store_misses(self, candidates: list[bytes], ctx: RequestContext) -> None:
+        checked = ctx.ghost_checked
+        if checked:
+            candidates = [k for k in candidates if k not in checked]
+        checked.update(self.policy.on_store_misses(candidates))
+
+    def _make_room(self, n: int, offer: list[bytes]) -> list[bytes] | None:
+        """Free slots until ``n`` are free; return the victims, or None (no change)."""
+        need = n - len(self._free)
+        if need <= 0:
+            return []
+        if n > self.num_blocks:
+            return None
+        protected = set(offer)
+        victims = self.policy.evict(need, protected)
+        if victims is None and self._leases.has_holders():
+            self._expire_leases()
+            victims = self.policy.evict(need, protected)
+        if victims is None:
+            return None
+        slot = self._slot
+        self._free.extend([slot.pop(k) for k in victims])
+        self.evictions += len(victims)
+        self._history.record(victims)
+        self._events.emit(victims, "removed")
+        return victims
+
+    def _allocate(self, keys: list[bytes], ctx: RequestContext) -> list[int]:
+        free = self._free
+        slots = free[-len(keys):]
+        del free[-len(keys):]
+        slots.reverse()
+        self._slot.update(zip(keys, slots, strict=True))
+        self._writing.update(keys)
+        self._blocked.update(keys)
+        self.policy.insert(keys)
+        ctx.inserted.update(keys)
+        ctx.writing.update(keys)
+        return slots
+
+    def complete_store(
+        self, keys: Iterable[bytes], ctx: RequestContext, success: bool = True
+    ) -> None:
+        """Finish stores granted to ``ctx``: READY on success, slot freed on failure.
+
+        Raises ``ProtocolError`` (nothing changed) for a key ``ctx`` was not
+        granted or already completed; stores from before a ``reset()`` are ignored.
+        """
+        self._sync(ctx)
+        keys = check_keys(keys)
+        writing, stale = ctx.writing, ctx.stale
+        if not writing.issuperset(keys):
+            for key in keys:
+                if key not in writing and key not in stale:
+                    raise ProtocolError(
+                        f"complete_store for key {key!r} that request {ctx.req_id!r} "
+                        "was not granted by prepare_store (unknown or already completed)"
+                    )
+            stale.difference_update(keys)
+            keys = [k for k in dict.fromkeys(keys) if k in writing]
+        elif len(keys) > 1 and len(set(keys)) != len(keys):
+            keys = list(dict.fromkeys(keys))
+        writing.difference_update(keys)
+        self._writing.difference_update(keys)
+        if success:
+            self._blocked.difference_update(keys)
+            self.stores += len(keys)
+            self._events.emit(keys, "stored")
+        else:
+            self._drop_failed(keys, ctx)
+
+    def _drop_failed(self, keys: list[bytes], ctx: RequestContext) -> None:
+        slot, remove = self._slot, self.policy.remove
+        self._free.extend([slot.pop(k) for k in keys])
+        self._blocked.difference_update(keys)
+        for key in keys:
+            remove(key)
+        ctx.inserted.difference_update(keys)
+
+    # -- recency -----------------------------------------------------------
+
+    def touch(self, keys: Iterable[bytes], ctx: RequestContext) -> None:
+        """Count ``keys`` in ``ctx``'s access (applied at finish), as reuses if ready.
+
+        Recency does not need it: loads and offers are recorded already. It
+        serves callers with other hits to report, such as GPU prefix-cache hits.
+        """
+        self._sync(ctx)
+        keys = check_keys(keys)
+        ctx.log_access(keys)
+        if self._wants_reuse:
+            ready = self._is_ready
+            ctx.reused.update(k for k in keys if ready(k) and k not in ctx.inserted)
+
+    def on_request_finished(self, ctx: RequestContext) -> None:
+        """Apply ``ctx``'s single head-to-tail access and drop its leases.
+
+        Completions of its loads and stores may still arrive afterwards.
+        """
+        self._sync(ctx)
+        self._drop_leases(ctx)
+        if ctx.access_log:
+            self.policy.on_access(ctx.access_order(self._slot), ctx.reused)
+        ctx.clear_request_state()
+        ctx.positions.clear()
+
+    # -- whole cache ---------------------------------------------------------
+
+    def reset(self) -> None:
+        """Forget every block; contexts start counting anew, old completions are ignored."""
+        self._epoch += 1
+        for table in (self._slot, self._writing, self._pins, self._lease_count):
+            table.clear()
+        self._free = list(range(self.num_blocks - 1, -1, -1))
+        self.policy.clear()
+        if self._tracker is not None:
+            self._tracker.clear()
+        self._leases.clear()
+        self._history.clear()
+
+    def take_events(self) -> list[Event]:
+        """Return and forget the events since the last call (empty when disabled)."""
+        return self._events.take()
+
+    def stats(self) -> dict[str, int]:
+        """Gauges and counters; see the README's table for each field."""
+        resident = len(self._slot)
+        return {
+            "resident": resident,
+            "ready": resident - len(self._writing),
+            "pinned": len(self._pins),
+            "leased": len(self._lease_count),
+            "write_pending": len(self._writing),
+            "free": len(self._free),
+            "hits": self.hits,
+            "misses": self.misses,
+            "stores": self.stores,
+            "evictions": self.evictions,
+            "stores_skipped": self.stores_skipped,
+            "allocation_failures": self.allocation_failures,
+            "events_dropped": self._events.dropped,
+        }
+
+    def admission_count(self, key: bytes) -> int:
+        """How many requests offered ``key`` (0 when untracked or threshold < 2)."""
+        check_keys((key,))
+        return 0 if self._tracker is None else self._tracker.count(key)
+
+    def contains(self, key: bytes) -> bool:
+        """Whether ``key`` is resident (ready or write-pending)."""
+        check_keys((key,))
+        return key in self._slot
+
+    def debug_state(self) -> dict[str, Any]:
+        """Sizes of internal structures, for tests and diagnostics."""
+        return {
+            "tracker_size": 0 if self._tracker is None else len(self._tracker),
+            "history_size": len(self._history),
+            "leases_held": self._leases.held,
+            "policy_size": len(self.policy),
+        }
+
+    # -- diagnostics ---------------------------------------------------------
+
+    def _missing_error(
+        self, keys: list[bytes], missing: list[bytes], ctx: RequestContext
+    ) -> MissingBlocksError:
+        """Explain a failed load; built only on failure."""
+        now = time.monotonic()
+        positions = ctx.positions
+        groups = sorted({key_group(k) for k in missing})
+        details = []
+        for key in missing[:MAX_MISSING_DETAILS]:
+            when = self._history.evicted_at(key)
+            ago = None if when is None else round(now - when, 3)
+            details.append((positions.get(key), ago))
+        known = [positions[k] for k in keys if k in positions]
+        span = f"{min(known)}..{max(known)}" if known else "unknown (no positions set)"
+        group_txt = ", ".join(str(g) for g in groups)
+        return MissingBlocksError(
+            f"request {ctx.req_id!r}, KV group {group_txt}: {len(missing)} of "
+            f"{len(keys)} keys missing (not resident or still being written); "
+            f"(end_token, seconds since eviction or None) for the first "
+            f"{len(details)}: {details}; load end-token range {span}; eviction "
+            f"history spans {self._history.span_seconds(now):.3f} s over "
+            f"{len(self._history)} keys"
+        )

@@ -1,0 +1,48 @@
+"""Eviction policies, selectable by name or ``module.path:ClassName``."""
+
+from __future__ import annotations
+
+import importlib
+
+from kvtier.policies.arc import ARCPolicy
+from kvtier.policies.base import EvictionPolicy
+from kvtier.policies.lru import LRUPolicy
+
+POLICIES: dict[str, type[EvictionPolicy]] = {
+    LRUPolicy.name: LRUPolicy,
+    ARCPolicy.name: ARCPolicy,
+}
+"""Built-in policies by name."""
+
+
+def policy_class(name: str) -> type[EvictionPolicy]:
+    """Resolve a built-in name or ``module.path:ClassName`` to a policy class."""
+    if not isinstance(name, str):
+        raise TypeError(f"policy must be a str name, not {type(name).__name__}")
+    if name in POLICIES:
+        return POLICIES[name]
+    if ":" not in name:
+        known = ", ".join(sorted(POLICIES))
+        raise ValueError(
+            f"unknown eviction policy {name!r}; known policies: {known}, "
+            "or a custom one as 'module.path:ClassName'"
+        )
+    module_name, _, class_name = name.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"cannot import policy module {module_name!r}: {exc}") from exc
+    cls = getattr(module, class_name, None)
+    if not (isinstance(cls, type) and issubclass(cls, EvictionPolicy)):
+        raise ValueError(
+            f"{name!r} does not name a subclass of kvtier.policies.EvictionPolicy"
+        )
+    return cls
+
+
+def make_policy(name: str, capacity: int) -> EvictionPolicy:
+    """Build the policy ``name`` for a cache of ``capacity`` blocks."""
+    return policy_class(name)(capacity)
+
+
+__all__ = ["ARCPolicy", "EvictionPolicy", "LRUPolicy", "POLICIES", "make_policy", "policy_class"]

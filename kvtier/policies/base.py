@@ -1,0 +1,73 @@
+"""The contract between the manager and an eviction policy."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Container, Sequence
+from typing import ClassVar
+
+
+class EvictionPolicy(ABC):
+    """Decides which resident blocks to evict; knows nothing of slots or bytes.
+
+    The manager tells the policy about every resident block:
+
+    * ``insert(keys)``: new blocks, in offer order (being written, so not
+      evictable yet);
+    * ``remove(key)``: a block left without eviction (its store failed);
+    * ``blocked``: the set of resident keys that are not evictable (being
+      written, pinned or leased). The manager keeps it current and the policy
+      reads it in ``evict``; a block keeps its logical rank while blocked;
+    * ``on_access(keys, reused)``: one finished request's access, head first
+      (``keys[0]`` is the most valuable block); ``reused`` are the keys the
+      request found ready in the cache (not inserted by itself);
+    * ``on_store_misses(keys)``: new store candidates, each once per request,
+      before their ``insert`` (ghost-list policies learn from them); returns
+      the keys it learned from, so the manager remembers only those.
+
+    ``evict(n, protected)`` is atomic: it removes and returns exactly ``n``
+    evictable keys not in ``protected``, or returns None and changes nothing.
+
+    Base-class state: ``capacity`` and ``blocked`` (bounded by the number of
+    resident blocks).
+    """
+
+    name: ClassVar[str] = "custom"
+    wants_reuse: ClassVar[bool] = True
+    """False when ``on_access`` ignores ``reused``; lets the manager skip computing it."""
+    wants_store_misses: ClassVar[bool] = False
+    """True when ``on_store_misses`` does something; lets the manager skip the calls."""
+
+    def __init__(self, capacity: int) -> None:
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+            raise ValueError(f"policy capacity must be an int >= 1, got {capacity!r}")
+        self.capacity = capacity
+        self.blocked: set[bytes] = set()
+
+    def on_store_misses(self, keys: list[bytes]) -> list[bytes]:
+        """Learn from keys about to be inserted; return those it learned from."""
+        return []
+
+    @abstractmethod
+    def insert(self, keys: list[bytes]) -> None:
+        """Track new resident blocks (the manager has put them in ``blocked``)."""
+
+    @abstractmethod
+    def remove(self, key: bytes) -> None:
+        """Forget a resident block that leaves without eviction."""
+
+    @abstractmethod
+    def on_access(self, keys: Sequence[bytes], reused: Container[bytes]) -> None:
+        """Apply one request's access; ``keys`` head first, absent keys ignored."""
+
+    @abstractmethod
+    def evict(self, n: int, protected: Container[bytes]) -> list[bytes] | None:
+        """Remove and return exactly ``n`` victims, or return None and change nothing."""
+
+    @abstractmethod
+    def clear(self) -> None:
+        """Forget every block (and any history)."""
+
+    @abstractmethod
+    def __len__(self) -> int:
+        """Number of resident blocks tracked."""

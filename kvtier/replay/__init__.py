@@ -1,0 +1,1 @@
+"""Trace replay and simulation: traces, drivers, bounds."""

@@ -1,0 +1,91 @@
+"""Mooncake-format traces: one JSON request per line."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvtier.errors import KVTierError
+
+MOONCAKE_BLOCK_TOKENS = 512
+"""Tokens per ``hash_ids`` block in the Mooncake traces."""
+
+BUNDLED_TRACE = (
+    Path(__file__).resolve().parents[2] / "data" / "mooncake" / "conversation_trace.jsonl"
+)
+"""The Mooncake "Conversation" trace shipped in the source tree (``data/mooncake``).
+
+The single place that knows where it lives: a source checkout or an editable
+install has it; a wheel does not ship ``data/`` (move it under the package and
+read it with ``importlib.resources`` if it ever must be installed).
+"""
+
+
+class TraceFormatError(KVTierError, ValueError):
+    """A trace line is not a valid request; the message names file and line."""
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRequest:
+    """One request of a trace: arrival (ms), lengths (tokens) and prefix blocks."""
+
+    timestamp: int
+    input_length: int
+    output_length: int
+    hash_ids: tuple[int, ...]
+
+
+def _field(obj: dict, name: str, where: str) -> int:
+    value = obj.get(name, 0 if name != "hash_ids" else None)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise TraceFormatError(f"{where}: {name!r} must be a non-negative int, got {value!r}")
+    return value
+
+
+def parse_line(line: str, where: str) -> TraceRequest:
+    """Parse one trace line; ``where`` ("file:line") prefixes any error."""
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise TraceFormatError(f"{where}: not valid JSON ({exc.msg})") from None
+    if not isinstance(obj, dict):
+        raise TraceFormatError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+    ids = obj.get("hash_ids")
+    if not isinstance(ids, list) or not all(
+        isinstance(h, int) and not isinstance(h, bool) and 0 <= h < 1 << 64 for h in ids
+    ):
+        raise TraceFormatError(f"{where}: 'hash_ids' must be a list of ints in [0, 2**64)")
+    return TraceRequest(
+        _field(obj, "timestamp", where),
+        _field(obj, "input_length", where),
+        _field(obj, "output_length", where),
+        tuple(ids),
+    )
+
+
+def iter_trace(path: str | Path) -> Iterator[TraceRequest]:
+    """Yield the requests of a Mooncake jsonl file in file order (blank lines skipped)."""
+    path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(f"trace path is a directory, not a file: {path}")
+    if not path.is_file():
+        raise FileNotFoundError(f"trace file not found: {path}")
+    with path.open("rb") as fh:
+        for lineno, raw in enumerate(fh, 1):
+            if raw.strip():
+                yield parse_line(_decode(raw, f"{path}:{lineno}"), f"{path}:{lineno}")
+
+
+def _decode(raw: bytes, where: str) -> str:
+    """Decode one raw line as UTF-8; ``where`` prefixes the error."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise TraceFormatError(f"{where}: not UTF-8 text ({exc.reason})") from None
+
+
+def load_trace(path: str | Path) -> list[TraceRequest]:
+    """All requests of a Mooncake jsonl file."""
+    return list(iter_trace(path))

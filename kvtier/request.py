@@ -1,0 +1,126 @@
+"""Per-request state carried between the caller and the manager."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Container
+
+MAX_ACCESS_LISTS = 64
+"""Key lists a context logs before merging them (bounds retries and re-offers)."""
+
+
+class RequestContext:
+    """What one request has done with the cache, between its start and finish.
+
+    Owns, for one request:
+
+    * ``positions``: each key's end-token position, set by the caller;
+    * ``access_log``: the key lists the request loaded, offered or touched, in
+      call order (merged into the one access applied when it finishes; merged
+      early once it holds ``MAX_ACCESS_LISTS`` lists, so retries cannot grow it);
+    * ``inserted`` / ``reused``: keys it stored itself / found ready;
+    * ``counted`` / ``skipped`` / ``ghost_checked``: keys already counted by
+      admission, already reported as skipped, already shown to the policy as a
+      store miss (each happens once per request);
+    * ``leased``: keys leased to it by ``lookup`` (at most the manager's
+      ``max_leases_per_request``); ``loading``: keys pinned by its loads, with
+      counts; ``writing``: keys it was granted for storing and has not completed.
+
+    Every set is bounded by the number of distinct keys the request passes to
+    the manager, that is by its prompt's block count. ``epoch`` ties the state
+    to one ``reset()`` generation of one manager: a context from before a reset
+    starts over, and completions it still owes for old blocks are ignored.
+    """
+
+    __slots__ = (
+        "req_id",
+        "positions",
+        "access_log",
+        "inserted",
+        "reused",
+        "counted",
+        "skipped",
+        "ghost_checked",
+        "leased",
+        "loading",
+        "writing",
+        "stale",
+        "owner",
+        "epoch",
+        "lease_deadline",
+    )
+
+    def __init__(self, req_id: str) -> None:
+        if not isinstance(req_id, str) or not req_id:
+            raise ValueError(f"req_id must be a non-empty str, got {req_id!r}")
+        self.req_id = req_id
+        self.positions: dict[bytes, int] = {}
+        self.access_log: list[list[bytes]] = []
+        self.inserted: set[bytes] = set()
+        self.reused: set[bytes] = set()
+        self.counted: set[bytes] = set()
+        self.skipped: set[bytes] = set()
+        self.ghost_checked: set[bytes] = set()
+        self.leased: set[bytes] = set()
+        self.loading: dict[bytes, int] = {}
+        self.writing: set[bytes] = set()
+        self.stale: set[bytes] = set()
+        self.owner: object | None = None
+        self.epoch = -1
+        self.lease_deadline = 0.0
+
+    def set_position(self, key: bytes, end_token: int) -> None:
+        """Record that ``key``'s block ends at token ``end_token`` of this request."""
+        if type(key) is not bytes:
+            raise TypeError(f"key must be bytes, not {type(key).__name__}")
+        if isinstance(end_token, bool) or not isinstance(end_token, int) or end_token < 0:
+            raise ValueError(f"end_token must be a non-negative int, got {end_token!r}")
+        self.positions[key] = end_token
+
+    def set_positions(self, keys: list[bytes], first_end: int, step: int) -> None:
+        """Record positions ``first_end, first_end + step, ...`` for consecutive keys."""
+        if step <= 0 or first_end < 0:
+            raise ValueError(f"need first_end >= 0 and step > 0, got {first_end}, {step}")
+        for i, key in enumerate(keys):
+            self.set_position(key, first_end + i * step)
+
+    def log_access(self, keys: list[bytes]) -> None:
+        """Remember that the request used ``keys`` (a list the caller will not change)."""
+        log = self.access_log
+        log.append(keys)
+        if len(log) > MAX_ACCESS_LISTS:
+            merged = self.accessed_keys()
+            log.clear()
+            log.append(merged)
+
+    def accessed_keys(self) -> list[bytes]:
+        """Distinct keys of the access log, in first-seen order."""
+        log = self.access_log
+        if len(log) == 1:
+            return list(dict.fromkeys(log[0]))
+        return list(dict.fromkeys(itertools.chain.from_iterable(log)))
+
+    def access_order(self, resident: Container[bytes]) -> list[bytes]:
+        """Accessed keys still in ``resident``, head first (by position when all are known)."""
+        keys = [k for k in self.accessed_keys() if k in resident]
+        positions = self.positions
+        if positions and all(k in positions for k in keys):
+            keys.sort(key=positions.__getitem__)
+        return keys
+
+    def clear_request_state(self) -> None:
+        """Forget everything but identity, owed completions and the epoch."""
+        self.access_log.clear()
+        self.inserted.clear()
+        self.reused.clear()
+        self.counted.clear()
+        self.skipped.clear()
+        self.ghost_checked.clear()
+        self.leased.clear()
+
+    def __repr__(self) -> str:
+        return (
+            f"RequestContext({self.req_id!r}, accessed={len(self.accessed_keys())}, "
+            f"leased={len(self.leased)}, loading={len(self.loading)}, "
+            f"writing={len(self.writing)})"
+        )
