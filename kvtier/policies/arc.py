@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Container, Iterator, Sequence
 
@@ -85,43 +86,34 @@ class ARCPolicy(EvictionPolicy):
     def evict(self, n: int, protected: Container[bytes]) -> list[bytes] | None:
         if n <= 0:
             return []
-        from_t1: list[bytes] = []
-        from_t2: list[bytes] = []
+        # REPLACE takes from T1 while |T1| > target, so the first
+        # ceil(|T1| - target) victims come from T1, the rest from T2; a list
+        # without enough evictable blocks leaves its share to the other.
         t1_iter, t2_iter = iter(self._t1), iter(self._t2)
-        t1_size = len(self._t1)
-        for _ in range(n):
-            if t1_size > self.target:
-                key = self._next_victim(t1_iter, protected)
-                if key is None:
-                    key = self._next_victim(t2_iter, protected)
-                    if key is None:
-                        return None
-                    from_t2.append(key)
-                    continue
-            else:
-                key = self._next_victim(t2_iter, protected)
-                if key is None:
-                    key = self._next_victim(t1_iter, protected)
-                    if key is None:
-                        return None
-                    from_t1.append(key)
-                    t1_size -= 1
-                    continue
-                from_t2.append(key)
-                continue
-            from_t1.append(key)
-            t1_size -= 1
+        want_t1 = min(n, max(0, math.ceil(len(self._t1) - self.target)))
+        from_t1 = self._take(t1_iter, want_t1, protected)
+        from_t2 = self._take(t2_iter, n - len(from_t1), protected)
+        if len(from_t1) + len(from_t2) < n:
+            from_t1 += self._take(t1_iter, n - len(from_t1) - len(from_t2), protected)
+            if len(from_t1) + len(from_t2) < n:
+                return None
         self._retire(from_t1, self._t1, self._b1)
         self._retire(from_t2, self._t2, self._b2)
         self._trim_ghosts()
         return from_t1 + from_t2
 
-    def _next_victim(self, entries: Iterator[bytes], protected: Container[bytes]) -> bytes | None:
+    def _take(self, entries: Iterator[bytes], k: int, protected: Container[bytes]) -> list[bytes]:
+        """The next ``k`` evictable keys of ``entries`` (fewer when it runs out)."""
+        out: list[bytes] = []
+        if k <= 0:
+            return out
         blocked = self.blocked
         for key in entries:
             if key not in blocked and key not in protected:
-                return key
-        return None
+                out.append(key)
+                if len(out) == k:
+                    break
+        return out
 
     @staticmethod
     def _retire(
@@ -133,9 +125,9 @@ class ARCPolicy(EvictionPolicy):
 
     def _trim_ghosts(self) -> None:
         b1, b2, cap = self._b1, self._b2, self.capacity
-        while b1 and len(b1) + len(self._t1) > cap:
+        for _ in range(min(len(b1), len(b1) + len(self._t1) - cap)):
             b1.popitem(last=False)
-        while len(b2) > cap:
+        for _ in range(len(b2) - cap):
             b2.popitem(last=False)
 
     def clear(self) -> None:

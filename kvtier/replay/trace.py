@@ -6,6 +6,7 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from kvtier.errors import KVTierError
 
@@ -37,7 +38,7 @@ class TraceRequest:
     hash_ids: tuple[int, ...]
 
 
-def _field(obj: dict, name: str, where: str) -> int:
+def _field(obj: dict[str, Any], name: str, where: str) -> int:
     value = obj.get(name, 0 if name != "hash_ids" else None)
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise TraceFormatError(f"{where}: {name!r} must be a non-negative int, got {value!r}")

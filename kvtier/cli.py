@@ -1,0 +1,289 @@
+"""The ``kvtier`` command line (DESIGN.md §9).
+
+    kvtier replay [TRACE] --capacity N[,N...] --policy NAME[,NAME...]
+                  [--store-threshold K[,K...]] [--max-tracker-size N]
+                  [--block-bytes B] [--json] [--no-progress]
+
+Errors in the input (unknown policy, missing or malformed trace) are reported
+as ``kvtier: error: ...`` with exit status 2, like argparse's own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Protocol, TextIO
+
+from kvtier import __version__
+from kvtier.errors import ProtocolError
+from kvtier.policies import policy_class
+from kvtier.replay.driver import ReplayResult, replay, trace_keys
+from kvtier.replay.trace import BUNDLED_TRACE, TraceFormatError, load_trace
+
+PROG = "kvtier"
+EXIT_USAGE = 2
+"""Exit status for bad input, the same as argparse's."""
+
+
+class CommandError(Exception):
+    """Bad input found after argument parsing; printed as ``kvtier: error: ...``."""
+
+
+# -- argument types ------------------------------------------------------------
+
+
+def positive_int(text: str) -> int:
+    """Parse an int >= 1 (argparse type)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def int_list(text: str) -> list[int]:
+    """Parse ``N[,N...]`` of ints >= 1, duplicates dropped (argparse type)."""
+    return list(dict.fromkeys(positive_int(part.strip()) for part in text.split(",")))
+
+
+def name_list(text: str) -> list[str]:
+    """Parse ``NAME[,NAME...]``, duplicates dropped (argparse type)."""
+    names = [part.strip() for part in text.split(",")]
+    if not all(names):
+        raise argparse.ArgumentTypeError(f"empty name in {text!r}")
+    return list(dict.fromkeys(names))
+
+
+# -- parser --------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``kvtier`` parser with its subcommands."""
+    parser = argparse.ArgumentParser(
+        prog=PROG, description="Tiered KV-cache offloading for LLM inference engines."
+    )
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    _add_replay(commands)
+    return parser
+
+
+def _add_replay(commands: Any) -> None:
+    """Register ``kvtier replay``."""
+    p = commands.add_parser(
+        "replay",
+        help="replay a Mooncake-format trace through the manager",
+        description="Replay a Mooncake-format trace through OffloadManager for every "
+        "policy x capacity x store threshold and report prefix-hit ratios.",
+    )
+    p.add_argument("trace", nargs="?", type=Path, metavar="TRACE",
+                   help=f"Mooncake jsonl trace (default: the bundled {BUNDLED_TRACE.name})")
+    p.add_argument("--capacity", type=int_list, required=True, metavar="N[,N...]",
+                   help="cache sizes in blocks")
+    p.add_argument("--policy", type=name_list, required=True, metavar="NAME[,NAME...]",
+                   help="eviction policies (built-in name or module.path:ClassName)")
+    p.add_argument("--store-threshold", type=int_list, default=[1], metavar="K[,K...]",
+                   help="offers a new block needs before it is stored (default 1)")
+    p.add_argument("--max-tracker-size", type=positive_int, default=64_000, metavar="N",
+                   help="admission tracker bound (default 64000)")
+    p.add_argument("--block-bytes", type=positive_int, default=None, metavar="B",
+                   help="bytes per block for bytes_written (default: count blocks)")
+    p.add_argument("--json", action="store_true", help="one JSON object per line")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_replay)
+
+
+# -- progress and output ---------------------------------------------------------
+
+
+class Progress(Protocol):
+    """What the replay command needs of a progress display."""
+
+    def update(self, n: int) -> None: ...
+    def describe(self, text: str) -> None: ...
+    def write(self, line: str) -> None: ...
+    def close(self) -> None: ...
+
+
+class NoProgress:
+    """No bar: lines go straight to stdout."""
+
+    def update(self, n: int) -> None:
+        """Ignore progress."""
+
+    def describe(self, text: str) -> None:
+        """Ignore descriptions."""
+
+    def write(self, line: str) -> None:
+        """Print ``line`` to stdout now."""
+        print(line, flush=True)
+
+    def close(self) -> None:
+        """Nothing to close."""
+
+
+class TqdmProgress:
+    """A tqdm bar on ``stream`` (stderr); lines go to stdout without breaking the bar."""
+
+    def __init__(self, total: int, stream: TextIO) -> None:
+        from tqdm import tqdm
+
+        self._tqdm = tqdm
+        self._bar = tqdm(total=total, file=stream, unit="req", leave=False)
+
+    def update(self, n: int) -> None:
+        """Advance by ``n`` requests."""
+        self._bar.update(n)
+
+    def describe(self, text: str) -> None:
+        """Show ``text`` before the bar."""
+        self._bar.set_description_str(text)
+
+    def write(self, line: str) -> None:
+        """Print ``line`` to stdout above the bar."""
+        self._tqdm.write(line, file=sys.stdout)
+        sys.stdout.flush()
+
+    def close(self) -> None:
+        """Remove the bar."""
+        self._bar.close()
+
+
+def make_progress(total: int, enabled: bool, stream: TextIO | None = None) -> Progress:
+    """A tqdm bar when ``enabled``, ``stream`` (stderr) is a TTY and tqdm is installed."""
+    stream = sys.stderr if stream is None else stream
+    if enabled and stream.isatty():
+        try:
+            return TqdmProgress(total, stream)
+        except ImportError:
+            pass
+    return NoProgress()
+
+
+TABLE_COLUMNS = ("policy", "capacity", "threshold", "hit ratio", "stores", "evictions", "us/key")
+
+
+class Table:
+    """Aligned text rows, widths fixed up front so rows print as runs finish."""
+
+    def __init__(self, policies: Sequence[str], capacities: Sequence[int],
+                 thresholds: Sequence[int], max_count: int) -> None:
+        values = (
+            max(map(len, policies)), len(str(max(capacities))), len(str(max(thresholds))),
+            6, len(str(max_count)), len(str(max_count)), 8,
+        )
+        self.widths = [max(len(h), v) for h, v in zip(TABLE_COLUMNS, values, strict=True)]
+
+    def header(self) -> str | None:
+        """Column titles."""
+        first, *rest = zip(TABLE_COLUMNS, self.widths, strict=True)
+        return "  ".join([first[0].ljust(first[1])] + [h.rjust(w) for h, w in rest])
+
+    def row(self, r: ReplayResult) -> str:
+        """One result, hit ratio to 4 decimals."""
+        cells = (str(r.capacity), str(r.store_threshold), f"{r.hit_ratio:.4f}",
+                 str(r.stores), str(r.evictions), f"{r.us_per_key:.3f}")
+        w = self.widths
+        padded = [c.rjust(x) for c, x in zip(cells, w[1:], strict=True)]
+        return "  ".join([r.policy.ljust(w[0]), *padded])
+
+
+# -- replay command ------------------------------------------------------------
+
+
+def check_policies(names: Sequence[str]) -> None:
+    """Raise ``CommandError`` with kvtier's message for the first unknown policy."""
+    for name in names:
+        try:
+            policy_class(name)
+        except ValueError as exc:
+            raise CommandError(str(exc)) from None
+
+
+def load_keys(path: Path) -> list[list[bytes]]:
+    """The trace's requests as block keys; ``CommandError`` when unreadable or empty."""
+    try:
+        keys = trace_keys(load_trace(path))
+    except (FileNotFoundError, IsADirectoryError) as exc:
+        raise CommandError(str(exc)) from None
+    except TraceFormatError as exc:
+        raise CommandError(f"malformed trace: {exc}") from None
+    except OSError as exc:
+        raise CommandError(f"cannot read trace {path}: {exc.strerror or exc}") from None
+    if not keys:
+        raise CommandError(f"{path}: the trace has no requests")
+    return keys
+
+
+class JsonLines:
+    """One JSON object per result, with the trace path; no header."""
+
+    def __init__(self, path: Path) -> None:
+        self.trace = str(path)
+
+    def header(self) -> str | None:
+        """JSON lines have no header."""
+        return None
+
+    def row(self, r: ReplayResult) -> str:
+        """The result's fields and the trace path as one JSON object."""
+        return json.dumps({**r.to_dict(), "trace": self.trace})
+
+
+def _formatter(args: argparse.Namespace, path: Path, keys: list[list[bytes]]) -> Table | JsonLines:
+    """JSON lines with ``--json``, else an aligned table."""
+    if args.json:
+        return JsonLines(path)
+    return Table(args.policy, args.capacity, args.store_threshold, sum(map(len, keys)))
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    """Run every policy x capacity x threshold over the trace and print the results."""
+    check_policies(args.policy)
+    path: Path = args.trace if args.trace is not None else BUNDLED_TRACE
+    keys = load_keys(path)
+    grid = list(itertools.product(args.policy, args.capacity, args.store_threshold))
+    out = _formatter(args, path, keys)
+    progress = make_progress(len(grid) * len(keys), not args.no_progress)
+    try:
+        header = out.header()
+        if header is not None:
+            progress.write(header)
+        for policy, capacity, threshold in grid:
+            progress.describe(f"{policy} {capacity} k={threshold}")
+            progress.write(out.row(_run_one(args, keys, policy, capacity, threshold, progress)))
+    finally:
+        progress.close()
+    return 0
+
+
+def _run_one(args: argparse.Namespace, keys: list[list[bytes]], policy: str,
+             capacity: int, threshold: int, progress: Progress) -> ReplayResult:
+    """One replay; bad manager parameters become ``CommandError`` (protocol bugs do not)."""
+    try:
+        return replay(keys, capacity, policy, store_threshold=threshold,
+                      max_tracker_size=args.max_tracker_size,
+                      block_bytes=args.block_bytes, progress=progress.update)
+    except ProtocolError:
+        raise
+    except ValueError as exc:
+        raise CommandError(str(exc)) from None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``kvtier`` / ``python -m kvtier``; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    try:
+        status: int = args.func(args)
+    except CommandError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+    return status
