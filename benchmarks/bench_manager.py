@@ -2,9 +2,11 @@
 
 Both managers replay the bundled Mooncake trace the same way (per request:
 lookup of the leading hits, load, store offer of all blocks, completion,
-finish), interleaved in one process so machine noise hits both alike. The
-figure is manager seconds per offered key, median of ``--repeats`` runs, and
-the ratio kvtier / vLLM.
+finish), interleaved in one process so machine noise hits both alike. Request
+contexts, with every block's end-token position recorded as vLLM's scheduler
+does (``--no-positions`` leaves them out), are built before the clock starts,
+so the figure is manager seconds per offered key: median of ``--repeats``
+runs, and the ratio kvtier / vLLM.
 
     python benchmarks/bench_manager.py [--repeats 3] [--json]
 """
@@ -27,14 +29,17 @@ BLOCK_TOKENS = 512
 
 
 def run_kvtier(
-    traces: list[list[bytes]], capacity: int, policy: str, threshold: int
+    traces: list[list[bytes]], capacity: int, policy: str, threshold: int, positions: bool
 ) -> tuple[float, float]:
     """Replay through kvtier; return (microseconds per offered key, hit ratio)."""
     mgr = kvtier.OffloadManager(capacity, policy=policy, store_threshold=threshold)
+    contexts = [kvtier.RequestContext(str(i)) for i in range(len(traces))]
+    if positions:
+        for ctx, keys in zip(contexts, traces, strict=True):
+            ctx.set_positions(keys, BLOCK_TOKENS, BLOCK_TOKENS)
     hits = offered = 0
     start = time.perf_counter()
-    for i, keys in enumerate(traces):
-        ctx = kvtier.RequestContext(str(i))
+    for ctx, keys in zip(contexts, traces, strict=True):
         n = mgr.lookup(keys, ctx)
         if n:
             mgr.prepare_load(keys[:n], ctx)
@@ -49,18 +54,22 @@ def run_kvtier(
 
 
 def run_vllm(
-    traces: list[list[bytes]], capacity: int, policy: str, threshold: int
+    traces: list[list[bytes]], capacity: int, policy: str, threshold: int, positions: bool
 ) -> tuple[float, float]:
     """Replay through vLLM's manager (per-key lookup, its API); same return."""
     from vllm.v1.kv_offload.base import LookupResult, ReqContext
     from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
     mgr = CPUOffloadingManager(capacity, cache_policy=policy, store_threshold=threshold)
+    contexts = [ReqContext(str(i)) for i in range(len(traces))]
+    if positions:
+        for ctx, keys in zip(contexts, traces, strict=True):
+            for j, key in enumerate(keys):
+                ctx.set_offload_key_position(key, (j + 1) * BLOCK_TOKENS)
     hit = LookupResult.HIT
     hits = offered = 0
     start = time.perf_counter()
-    for i, keys in enumerate(traces):
-        ctx = ReqContext(str(i))
+    for ctx, keys in zip(contexts, traces, strict=True):
         mgr.on_new_request(ctx)
         n = 0
         for key in keys:
@@ -87,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--policy", default="lru,arc")
     parser.add_argument("--store-threshold", default="1,2")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--no-positions", dest="positions", action="store_false")
     args = parser.parse_args(argv)
     requests = load_trace(args.trace)
     traces = [[kvtier.block_key(h) for h in req.hash_ids] for req in requests]
@@ -98,8 +108,8 @@ def main(argv: list[str] | None = None) -> int:
             for threshold in (int(t) for t in args.store_threshold.split(",")):
                 ours, theirs = [], []
                 for _ in range(args.repeats):  # interleaved: noise hits both
-                    ours.append(run_kvtier(traces, capacity, policy, threshold))
-                    theirs.append(run_vllm(traces, capacity, policy, threshold))
+                    ours.append(run_kvtier(traces, capacity, policy, threshold, args.positions))
+                    theirs.append(run_vllm(traces, capacity, policy, threshold, args.positions))
                 k_us = statistics.median(r[0] for r in ours)
                 v_us = statistics.median(r[0] for r in theirs)
                 row = {

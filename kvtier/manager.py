@@ -324,7 +324,7 @@ class OffloadManager:
         if len(candidates) < len(keys) and self._wants_reuse:
             writing, inserted = self._writing, ctx.inserted
             ctx.reused.update(
-                k for k in keys if k in slot and k not in writing and k not in inserted
+                [k for k in keys if k in slot and k not in writing and k not in inserted]
             )
         if len(candidates) > 1:
             unique = list(dict.fromkeys(candidates))

@@ -104,7 +104,7 @@ class RequestContext:
         """Accessed keys still in ``resident``, head first (by position when all are known)."""
         keys = [k for k in self.accessed_keys() if k in resident]
         positions = self.positions
-        if positions and all(k in positions for k in keys):
+        if positions and positions.keys() >= set(keys):
             keys.sort(key=positions.__getitem__)
         return keys
 
