@@ -28,8 +28,11 @@ class LeaseTable:
 
     def __init__(self, per_request: int, total: int, timeout_s: float) -> None:
         for name, value in (("max_leases_per_request", per_request), ("max_leased_blocks", total)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(
+                    f"{name} must be an int >= 1 (with no lease budget no lookup "
+                    f"could ever hit), got {value!r}"
+                )
         if not isinstance(timeout_s, (int, float)) or not timeout_s > 0 or math.isnan(timeout_s):
             raise ValueError(f"lease_timeout_s must be a number > 0, got {timeout_s!r}")
         self.per_request = per_request

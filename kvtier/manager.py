@@ -101,8 +101,10 @@ class OffloadManager:
                 f"RequestContext {ctx.req_id!r} belongs to another OffloadManager"
             )
         if ctx.owner is self:  # from before a reset: owed completions are void
-            ctx.stale.update(ctx.loading)
-            ctx.stale.update(ctx.writing)
+            for key, n in ctx.loading.items():
+                ctx.stale_loads[key] = ctx.stale_loads.get(key, 0) + n
+            for key in ctx.writing:
+                ctx.stale_stores[key] = ctx.stale_stores.get(key, 0) + 1
             ctx.loading.clear()
             ctx.writing.clear()
             ctx.clear_request_state()
@@ -251,12 +253,21 @@ class OffloadManager:
         return LoadSpec([slot[k] for k in keys])
 
     def complete_load(self, keys: Iterable[bytes], ctx: RequestContext) -> None:
-        """Unpin keys loaded by ``ctx``; loads from before a ``reset()`` are ignored."""
+        """Unpin keys loaded by ``ctx``; loads from before a ``reset()`` are ignored.
+
+        Raises ``ProtocolError`` (nothing changed) for a key ``ctx`` has no
+        pending load of.
+        """
         self._sync(ctx)
         keys = check_keys(keys)
+        stale_left = None
+        if ctx.stale_loads:
+            keys, stale_left = _without_stale(keys, ctx.stale_loads)
         loading = ctx.loading
         if len(set(keys)) != len(keys) or not loading.keys() >= set(keys):
-            keys = self._check_owed_loads(keys, ctx)
+            self._check_owed_loads(keys, ctx)
+        if stale_left is not None:
+            ctx.stale_loads = stale_left
         pins, blocked, leases = self._pins, self._blocked, self._lease_count
         for key in keys:
             left = loading[key] - 1
@@ -273,21 +284,18 @@ class OffloadManager:
                     blocked.discard(key)
 
     @staticmethod
-    def _check_owed_loads(keys: list[bytes], ctx: RequestContext) -> list[bytes]:
-        """Validate a completion against ``ctx``'s loads; return the keys still owed."""
-        loading, stale = ctx.loading, ctx.stale
+    def _check_owed_loads(keys: list[bytes], ctx: RequestContext) -> None:
+        loading = ctx.loading
         owed = dict.fromkeys(keys, 0)
         for key in keys:
             owed[key] += 1
         for key, n in owed.items():
-            if loading.get(key, 0) < n and key not in stale:
+            if loading.get(key, 0) < n:
                 raise ProtocolError(
                     f"complete_load without prepare_load: request {ctx.req_id!r} "
                     f"has {loading.get(key, 0)} pending load(s) of key {key!r}, "
                     f"completing {n}"
                 )
-        stale.difference_update(k for k in owed if k not in loading)
-        return [k for k in keys if k in loading]
 
     # -- stores --------------------------------------------------------------
 
@@ -393,17 +401,19 @@ class OffloadManager:
         """
         self._sync(ctx)
         keys = check_keys(keys)
-        writing, stale = ctx.writing, ctx.stale
+        stale_left = None
+        if ctx.stale_stores:
+            keys, stale_left = _without_stale(keys, ctx.stale_stores)
+        writing = ctx.writing
         if not writing.issuperset(keys):
-            for key in keys:
-                if key not in writing and key not in stale:
-                    raise ProtocolError(
-                        f"complete_store for key {key!r} that request {ctx.req_id!r} "
-                        "was not granted by prepare_store (unknown or already completed)"
-                    )
-            stale.difference_update(keys)
-            keys = [k for k in dict.fromkeys(keys) if k in writing]
-        elif len(keys) > 1 and len(set(keys)) != len(keys):
+            bad = next(k for k in keys if k not in writing)
+            raise ProtocolError(
+                f"complete_store for key {bad!r} that request {ctx.req_id!r} "
+                "was not granted by prepare_store (unknown or already completed)"
+            )
+        if stale_left is not None:
+            ctx.stale_stores = stale_left
+        if len(keys) > 1 and len(set(keys)) != len(keys):
             keys = list(dict.fromkeys(keys))
         writing.difference_update(keys)
         self._writing.difference_update(keys)
@@ -447,17 +457,22 @@ class OffloadManager:
         if ctx.access_log:
             self.policy.on_access(ctx.access_order(self._slot), ctx.reused)
         ctx.clear_request_state()
-        ctx.positions.clear()
+        ctx.positions = {}  # rebind: the dict may be shared with the engine
 
     # -- whole cache ---------------------------------------------------------
 
     def reset(self) -> None:
-        """Forget every block; contexts start counting anew, old completions are ignored."""
+        """Forget every block; contexts start counting anew, old completions are ignored.
+
+        Emits a ``removed`` event for the blocks that were ready.
+        """
+        self._events.emit([k for k in self._slot if k not in self._writing], "removed")
         self._epoch += 1
         for table in (self._slot, self._writing, self._pins, self._lease_count):
             table.clear()
         self._free = list(range(self.num_blocks - 1, -1, -1))
         self.policy.clear()
+        self._blocked = self.policy.blocked  # a policy may rebind it in clear()
         if self._tracker is not None:
             self._tracker.clear()
         self._leases.clear()
@@ -530,3 +545,25 @@ class OffloadManager:
             f"history spans {self._history.span_seconds(now):.3f} s over "
             f"{len(self._history)} keys"
         )
+
+
+def _without_stale(
+    keys: list[bytes], stale: dict[bytes, int]
+) -> tuple[list[bytes], dict[bytes, int]]:
+    """Split off completions owed from before a reset: (current keys, stale left).
+
+    Each occurrence of a key consumes one stale completion first. ``stale`` is
+    not changed; the caller commits the returned copy once the rest is valid.
+    """
+    left = dict(stale)
+    current: list[bytes] = []
+    for key in keys:
+        n = left.get(key, 0)
+        if n:
+            if n == 1:
+                del left[key]
+            else:
+                left[key] = n - 1
+        else:
+            current.append(key)
+    return current, left

@@ -24,7 +24,10 @@ class RequestContext:
       store miss (each happens once per request);
     * ``leased``: keys leased to it by ``lookup`` (at most the manager's
       ``max_leases_per_request``); ``loading``: keys pinned by its loads, with
-      counts; ``writing``: keys it was granted for storing and has not completed.
+      counts; ``writing``: keys it was granted for storing and has not completed;
+    * ``stale_loads`` / ``stale_stores``: completions it still owes for loads
+      and stores from before a ``reset()``, with counts; they are consumed
+      before current ones (completions of one key arrive in order).
 
     Every set is bounded by the number of distinct keys the request passes to
     the manager, that is by its prompt's block count. ``epoch`` ties the state
@@ -44,7 +47,8 @@ class RequestContext:
         "leased",
         "loading",
         "writing",
-        "stale",
+        "stale_loads",
+        "stale_stores",
         "owner",
         "epoch",
         "lease_deadline",
@@ -64,7 +68,8 @@ class RequestContext:
         self.leased: set[bytes] = set()
         self.loading: dict[bytes, int] = {}
         self.writing: set[bytes] = set()
-        self.stale: set[bytes] = set()
+        self.stale_loads: dict[bytes, int] = {}
+        self.stale_stores: dict[bytes, int] = {}
         self.owner: object | None = None
         self.epoch = -1
         self.lease_deadline = 0.0

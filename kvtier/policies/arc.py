@@ -50,6 +50,7 @@ class ARCPolicy(EvictionPolicy):
         t1 = self._t1
         for key in keys:  # OrderedDict.update is several times slower than this loop
             t1[key] = None
+        self._trim_ghosts()
 
     def remove(self, key: bytes) -> None:
         if key in self._t1:
