@@ -1,0 +1,517 @@
+"""Fixed-size CPU slots in POSIX shared memory, mapped by several processes.
+
+A region is one file under ``/dev/shm`` (tmpfs): a one-page header followed by
+``num_slots`` slots of ``slot_bytes`` bytes each, every slot starting on an
+``alignment`` boundary. The engine creates it once; the scheduler-side tier
+threads and the workers attach to it by name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import mmap
+import os
+import re
+import struct
+import tempfile
+import uuid
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Self
+
+import numpy as np
+import numpy.typing as npt
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger(__name__)
+
+PREFIX = "kvtier-"
+SUFFIX = ".slots"
+TMP_SUFFIX = ".tmp"
+DEFAULT_ALIGNMENT = 4096
+_MAGIC = b"KVTSLOT1"
+_VERSION = 1
+# magic, version, data_offset, num_slots, slot_bytes, slot_stride,
+# creator_pid, creator_start_ticks
+_HEADER = struct.Struct("<8sIIQQQQQ")
+_ENGINE_ID_BYTES = 128
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+_SAFE_CHARS = re.compile(r"[^A-Za-z0-9_.-]")
+_NAME_PID = re.compile(r"-(\d+)\.slots$")
+_TMP_PID = re.compile(r"\.(\d+)\.[0-9a-f]{8}\.tmp$")
+
+U8Array = npt.NDArray[np.uint8]
+
+
+def default_shm_dir() -> Path:
+    """``/dev/shm`` where it exists (Linux), else the temp directory."""
+    shm = Path("/dev/shm")
+    return shm if shm.is_dir() else Path(tempfile.gettempdir())
+
+
+def region_name(engine_id: str, pid: int | None = None) -> str:
+    """File name of the region an engine's creator process ``pid`` owns."""
+    safe = _SAFE_CHARS.sub("_", engine_id)[:64] or "engine"
+    return f"{PREFIX}{safe}-{os.getpid() if pid is None else pid}{SUFFIX}"
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def _process_start_ticks(pid: int) -> int:
+    """Start time of ``pid`` in clock ticks since boot (0 when unknown)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return 0
+    # Field 22; the command name (field 2) may contain spaces, so split after ')'.
+    fields = stat.rsplit(")", 1)[-1].split()
+    return int(fields[19]) if len(fields) > 19 else 0
+
+
+def pid_alive(pid: int, start_ticks: int = 0) -> bool:
+    """Whether ``pid`` runs and, when ``start_ticks`` is known, is the same process."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # exists, owned by someone else
+    if start_ticks:
+        current = _process_start_ticks(pid)
+        return current in (0, start_ticks)
+    return True
+
+
+@dataclass(frozen=True)
+class RegionHeader:
+    """Geometry and owner of a region, as stored in its first page."""
+
+    data_offset: int
+    num_slots: int
+    slot_bytes: int
+    slot_stride: int
+    creator_pid: int
+    creator_start_ticks: int
+    engine_id: str
+
+    def pack(self) -> bytes:
+        fixed = _HEADER.pack(
+            _MAGIC,
+            _VERSION,
+            self.data_offset,
+            self.num_slots,
+            self.slot_bytes,
+            self.slot_stride,
+            self.creator_pid,
+            self.creator_start_ticks,
+        )
+        engine = self.engine_id.encode()[:_ENGINE_ID_BYTES]
+        return fixed + engine.ljust(_ENGINE_ID_BYTES, b"\0")
+
+    @classmethod
+    def unpack(cls, raw: bytes, source: str) -> RegionHeader:
+        size = _HEADER.size + _ENGINE_ID_BYTES
+        if len(raw) < size:
+            raise ValueError(f"{source}: too short for a kvtier slot region header")
+        magic, version, offset, slots, nbytes, stride, pid, ticks = _HEADER.unpack_from(raw)
+        if magic != _MAGIC or version != _VERSION:
+            raise ValueError(
+                f"{source}: not a kvtier slot region (magic {magic!r}, version {version})"
+            )
+        engine = raw[_HEADER.size : size].rstrip(b"\0").decode(errors="replace")
+        return cls(offset, slots, nbytes, stride, pid, ticks, engine)
+
+    @classmethod
+    def read(cls, path: Path) -> RegionHeader:
+        with path.open("rb") as f:
+            return cls.unpack(f.read(_HEADER.size + _ENGINE_ID_BYTES), str(path))
+
+
+def _check_geometry(num_slots: int, slot_bytes: int, alignment: int) -> None:
+    for label, value in (("num_slots", num_slots), ("slot_bytes", slot_bytes)):
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{label} must be a positive int, got {value!r}")
+    if alignment <= 0 or alignment & (alignment - 1):
+        raise ValueError(f"alignment must be a power of two, got {alignment!r}")
+
+
+def _check_free_space(directory: Path, needed: int) -> None:
+    stats = os.statvfs(directory)
+    available = stats.f_bavail * stats.f_frsize
+    if needed > available:
+        raise MemoryError(
+            f"slot region needs {needed} bytes but {directory} has only {available} bytes free"
+        )
+
+
+def cleanup_stale_regions(shm_dir: str | Path | None = None) -> list[Path]:
+    """Remove regions (and half-created temp files) whose creator has died.
+
+    The creator is read from the region's header (pid and process start time,
+    so a reused pid does not keep a dead engine's region), from the pid in a
+    temp file's name, or for an unreadable header from the ``-PID.slots`` name.
+    Returns the removed paths.
+    """
+    directory = Path(shm_dir) if shm_dir is not None else default_shm_dir()
+    removed: list[Path] = []
+    for path in directory.glob(f"{PREFIX}*"):
+        if not _is_stale(path):
+            continue
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            continue  # another process cleaned it first
+        except OSError as exc:  # e.g. another user's file in sticky /dev/shm
+            logger.warning("cannot remove stale kvtier slot region %s: %s", path, exc)
+            continue
+        removed.append(path)
+        logger.info("removed stale kvtier slot region %s", path)
+    return removed
+
+
+def _creator_of(path: Path) -> tuple[int, int] | None:
+    """``(pid, start_ticks)`` of the process that made ``path``, if known."""
+    tmp = _TMP_PID.search(path.name)
+    if tmp is not None:
+        return int(tmp.group(1)), 0
+    try:
+        header = RegionHeader.read(path)
+    except (OSError, ValueError):
+        named = _NAME_PID.search(path.name)
+        return (int(named.group(1)), 0) if named else None
+    return header.creator_pid, header.creator_start_ticks
+
+
+def _is_stale(path: Path) -> bool:
+    creator = _creator_of(path)
+    return creator is not None and not pid_alive(*creator)
+
+
+class SlotRegion:
+    """A shared-memory array of ``num_slots`` fixed-size byte slots.
+
+    Owns one memory mapping of the region file and, in the creating process,
+    the file's name: the creator unlinks it on ``close()``/``unlink()``, at
+    garbage collection or at interpreter exit. Attachers only unmap.
+
+    Invariants:
+      * slot ``i`` is the bytes ``[data_offset + i*slot_stride, +slot_bytes)``;
+        ``slot_stride`` is ``slot_bytes`` rounded up to ``alignment`` and
+        ``data_offset`` is a multiple of the page size and of ``alignment``;
+      * the geometry never changes after creation and is stored in the header,
+        so ``attach(name)`` needs only the name;
+      * a region file is published under its final name only once fully sized
+        and described, so an attacher never sees a partial region;
+      * views returned by ``slot_array``/``as_numpy``/``as_torch`` share the
+        mapping (no copies) and keep it alive after ``close()`` until they are
+        dropped; the name is unlinked regardless.
+    """
+
+    def __init__(self, path: Path, header: RegionHeader, creator: bool) -> None:
+        """Map an existing, fully initialised region file (use create/attach)."""
+        self.path = path
+        self.header = header
+        self.is_creator = creator
+        fd = os.open(path, os.O_RDWR)
+        try:
+            self._mmap: mmap.mmap | None = mmap.mmap(fd, self.total_bytes)
+        finally:
+            os.close(fd)
+        base = np.frombuffer(self._mmap, dtype=np.uint8)
+        self._rows: U8Array | None = base[header.data_offset :].reshape(
+            header.num_slots, header.slot_stride
+        )
+        self._slots: U8Array | None = self._rows[:, : header.slot_bytes]
+        self._finalizer = (
+            weakref.finalize(self, _unlink_if_owner, path, os.getpid()) if creator else None
+        )
+
+    # ------------------------------------------------------------------ create
+    @classmethod
+    def create(
+        cls,
+        engine_id: str,
+        num_slots: int,
+        slot_bytes: int,
+        *,
+        alignment: int = DEFAULT_ALIGNMENT,
+        shm_dir: str | Path | None = None,
+        name: str | None = None,
+        populate: bool = True,
+        clean_stale: bool = True,
+    ) -> SlotRegion:
+        """Create the engine's region (removing stale regions of dead engines).
+
+        The file is ``name`` (default ``region_name(engine_id)``: engine id and
+        this process's pid) under ``shm_dir`` (default ``/dev/shm``). Raises
+        ``FileExistsError`` if that file exists and ``MemoryError`` if the
+        shared-memory file system lacks room. ``populate`` pre-faults every page
+        so later copies never page-fault.
+        """
+        _check_geometry(num_slots, slot_bytes, alignment)
+        directory = Path(shm_dir) if shm_dir is not None else default_shm_dir()
+        if clean_stale:
+            cleanup_stale_regions(directory)
+        header = cls._new_header(engine_id, num_slots, slot_bytes, alignment)
+        total = header.data_offset + num_slots * header.slot_stride
+        _check_free_space(directory, total)
+        path = directory / (name or region_name(engine_id))
+        cls._publish(path, header, total)
+        try:
+            region = cls(path, header, creator=True)
+            if populate:
+                region._populate()
+        except BaseException:
+            _unlink_quietly(path)
+            raise
+        return region
+
+    @classmethod
+    def create_or_attach(
+        cls,
+        engine_id: str,
+        num_slots: int,
+        slot_bytes: int,
+        *,
+        name: str,
+        shm_dir: str | Path | None = None,
+        alignment: int = DEFAULT_ALIGNMENT,
+    ) -> SlotRegion:
+        """Create region ``name``, or attach if another live process has.
+
+        For processes of one engine that agree on a name (e.g. engine id and
+        rank) but not on who starts first. The geometry must match.
+        """
+        try:
+            return cls.create(
+                engine_id,
+                num_slots,
+                slot_bytes,
+                alignment=alignment,
+                shm_dir=shm_dir,
+                name=name,
+            )
+        except FileExistsError:
+            return cls.attach(name, shm_dir=shm_dir, num_slots=num_slots, slot_bytes=slot_bytes)
+
+    @staticmethod
+    def _new_header(
+        engine_id: str, num_slots: int, slot_bytes: int, alignment: int
+    ) -> RegionHeader:
+        pid = os.getpid()
+        return RegionHeader(
+            data_offset=_round_up(_HEADER.size + _ENGINE_ID_BYTES, max(alignment, mmap.PAGESIZE)),
+            num_slots=num_slots,
+            slot_bytes=slot_bytes,
+            slot_stride=_round_up(slot_bytes, alignment),
+            creator_pid=pid,
+            creator_start_ticks=_process_start_ticks(pid),
+            engine_id=engine_id,
+        )
+
+    @staticmethod
+    def _publish(path: Path, header: RegionHeader, total: int) -> None:
+        """Size a temp file, write the header, then hard-link it to ``path``."""
+        stem = path.name.removesuffix(SUFFIX)
+        tmp = path.with_name(f"{stem}.{os.getpid()}.{uuid.uuid4().hex[:8]}{TMP_SUFFIX}")
+        fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, total)
+            os.pwrite(fd, header.pack(), 0)
+            os.link(tmp, path)  # fails with FileExistsError, unlike rename
+        except FileExistsError as exc:
+            raise FileExistsError(
+                errno.EEXIST,
+                f"slot region {path} already exists; an engine creates its "
+                "region once (close it first or pass another name)",
+            ) from exc
+        finally:
+            os.close(fd)
+            _unlink_quietly(tmp)
+
+    def _populate(self) -> None:
+        """Pre-fault all pages for writing without changing their contents."""
+        if self._mmap is None:
+            return
+        try:
+            self._mmap.madvise(_MADV_POPULATE_WRITE, 0, self.total_bytes)
+        except (OSError, ValueError):
+            base = np.frombuffer(self._mmap, dtype=np.uint8)
+            base[:: mmap.PAGESIZE] |= 0
+            del base
+
+    # ------------------------------------------------------------------ attach
+    @classmethod
+    def attach(
+        cls,
+        name: str | Path,
+        *,
+        shm_dir: str | Path | None = None,
+        num_slots: int | None = None,
+        slot_bytes: int | None = None,
+    ) -> SlotRegion:
+        """Map an existing region by file name (or path).
+
+        When ``num_slots``/``slot_bytes`` are given they must match the header.
+        """
+        path = Path(name)
+        if not path.is_absolute():
+            directory = Path(shm_dir) if shm_dir is not None else default_shm_dir()
+            path = directory / path
+        if not path.exists():
+            raise FileNotFoundError(errno.ENOENT, f"no slot region at {path}")
+        header = RegionHeader.read(path)
+        cls._check_expected(header, num_slots, slot_bytes, path)
+        size = path.stat().st_size
+        expected = header.data_offset + header.num_slots * header.slot_stride
+        if size < expected:
+            raise ValueError(f"{path}: file has {size} bytes, header needs {expected}")
+        return cls(path, header, creator=False)
+
+    @staticmethod
+    def _check_expected(
+        header: RegionHeader,
+        num_slots: int | None,
+        slot_bytes: int | None,
+        path: Path,
+    ) -> None:
+        for label, want, got in (
+            ("num_slots", num_slots, header.num_slots),
+            ("slot_bytes", slot_bytes, header.slot_bytes),
+        ):
+            if want is not None and want != got:
+                raise ValueError(f"{path}: expected {label}={want}, region has {got}")
+
+    # ------------------------------------------------------------------ geometry
+    @property
+    def name(self) -> str:
+        """The file name other processes pass to ``attach``."""
+        return self.path.name
+
+    @property
+    def num_slots(self) -> int:
+        return self.header.num_slots
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.header.slot_bytes
+
+    @property
+    def slot_stride(self) -> int:
+        return self.header.slot_stride
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes mapped: header page plus every slot with its padding."""
+        return self.header.data_offset + self.num_slots * self.slot_stride
+
+    @property
+    def closed(self) -> bool:
+        return self._slots is None
+
+    # ------------------------------------------------------------------ views
+    def _array(self, padded: bool = False) -> U8Array:
+        array = self._rows if padded else self._slots
+        if array is None:
+            raise ValueError(f"slot region {self.name} is closed")
+        return array
+
+    def check_slot(self, slot_id: int | np.integer) -> int:
+        """Return ``slot_id`` as an int, or raise if it is not a valid slot."""
+        if isinstance(slot_id, bool) or not isinstance(slot_id, (int, np.integer)):
+            raise TypeError(f"slot id must be an int, got {type(slot_id).__name__}")
+        if not 0 <= slot_id < self.num_slots:
+            raise IndexError(
+                f"slot id {slot_id} out of range for region {self.name} with {self.num_slots} slots"
+            )
+        return int(slot_id)
+
+    def slot_array(self, slot_id: int | np.integer) -> U8Array:
+        """The ``slot_bytes`` bytes of one slot as a writable uint8 view."""
+        return self._array()[self.check_slot(slot_id)]
+
+    def as_numpy(self, padded: bool = False) -> U8Array:
+        """All slots as a ``(num_slots, slot_bytes)`` uint8 view with row stride
+        ``slot_stride``; ``padded=True`` gives ``(num_slots, slot_stride)``
+        contiguous rows including each slot's alignment padding."""
+        return self._array(padded)
+
+    def as_torch(self, dtype: torch.dtype | None = None, padded: bool = False) -> torch.Tensor:
+        """All slots as a CPU tensor sharing memory, shaped like ``as_numpy``.
+
+        ``dtype`` may be ``torch.uint8`` (default) or ``torch.int8``.
+        """
+        import torch
+
+        tensor = torch.from_numpy(self._array(padded))
+        if dtype is None or dtype == torch.uint8:
+            return tensor
+        if dtype == torch.int8:
+            return tensor.view(torch.int8)
+        raise ValueError(f"as_torch supports uint8 or int8, got {dtype}")
+
+    def base_address(self) -> int:
+        """Address of slot 0 in this process (for host-memory registration)."""
+        return int(self._array().ctypes.data)
+
+    @property
+    def slots_nbytes(self) -> int:
+        """Bytes from slot 0 to the end of the last slot's padding."""
+        return self.num_slots * self.slot_stride
+
+    # ------------------------------------------------------------------ teardown
+    def close(self) -> None:
+        """Unmap (once no views remain) and, in the creator, unlink the name."""
+        if self._slots is None:
+            return
+        self._slots = self._rows = None
+        if self.is_creator:
+            self.unlink()
+        mapping, self._mmap = self._mmap, None
+        if mapping is not None:
+            try:
+                mapping.close()
+            except BufferError:
+                # Views handed out are still alive: the mapping is released
+                # when the last of them is garbage collected.
+                logger.debug("slot region %s: views outlive close()", self.name)
+
+    def unlink(self) -> None:
+        """Remove the region's name; mappings stay valid until closed."""
+        if self._finalizer is not None:
+            self._finalizer()  # unlinks once, idempotent
+        else:
+            _unlink_quietly(self.path)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else "open"
+        return (
+            f"SlotRegion({self.name!r}, num_slots={self.num_slots}, "
+            f"slot_bytes={self.slot_bytes}, {state})"
+        )
+
+
+def _unlink_quietly(path: Path) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+def _unlink_if_owner(path: Path, owner_pid: int) -> None:
+    """Unlink ``path`` unless running in a forked child of the creator."""
+    if os.getpid() == owner_pid:
+        _unlink_quietly(path)

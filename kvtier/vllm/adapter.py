@@ -1,0 +1,110 @@
+"""kvtier's manager behind vLLM's ``OffloadingManager`` interface."""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable
+from typing import Any
+
+from vllm.v1.kv_offload.base import (
+    LookupResult as VllmLookupResult,
+)
+from vllm.v1.kv_offload.base import (
+    Medium,
+    OffloadingEvent,
+    OffloadingManager,
+    OffloadKey,
+    PrepareStoreOutput,
+    ReqContext,
+    RequestOffloadingContext,
+)
+from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+
+from kvtier.manager import OffloadManager
+from kvtier.request import RequestContext
+from kvtier.results import LookupResult
+from kvtier.vllm.metrics import fill_stats
+
+_LOOKUP = {
+    LookupResult.MISS: VllmLookupResult.MISS,
+    LookupResult.HIT: VllmLookupResult.HIT,
+    LookupResult.HIT_PENDING: VllmLookupResult.HIT_PENDING,
+}
+
+
+class KVTierOffloadingManager(OffloadingManager):
+    """Speaks vLLM's scheduler-side protocol over one ``kvtier.OffloadManager``.
+
+    Owns nothing but the manager and the last stats snapshot: each vLLM
+    ``ReqContext`` carries its kvtier ``RequestContext`` in its per-request
+    state, sharing vLLM's end-token positions, so it lives and dies with the
+    request.
+    """
+
+    def __init__(self, manager: OffloadManager) -> None:
+        self.manager = manager
+        self._reported: dict[str, int] = {}
+
+    @staticmethod
+    def context(req_context: ReqContext) -> RequestContext:
+        """The kvtier context of a vLLM request, created on first use."""
+        ctx = req_context.get_state(RequestContext)
+        if ctx is None:
+            ctx = RequestContext(req_context.req_id)
+            positions = getattr(req_context, "_offload_key_positions", None)
+            if isinstance(positions, dict):
+                ctx.positions = positions  # vLLM's scheduler records them there
+            req_context.set_state(ctx)
+        return ctx
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        self.context(req_context)
+        return RequestOffloadingContext()
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> VllmLookupResult:
+        return _LOOKUP[self.manager.lookup_one(key, self.context(req_context))]
+
+    def prepare_load(
+        self, keys: Collection[OffloadKey], req_context: ReqContext
+    ) -> CPULoadStoreSpec:
+        spec = self.manager.prepare_load(list(keys), self.context(req_context))
+        return CPULoadStoreSpec(spec.block_ids)
+
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        self.manager.touch(list(keys), self.context(req_context))
+
+    def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        self.manager.complete_load(list(keys), self.context(req_context))
+
+    def prepare_store(
+        self, keys: Collection[OffloadKey], req_context: ReqContext
+    ) -> PrepareStoreOutput | None:
+        out = self.manager.prepare_store(list(keys), self.context(req_context))
+        if out is None:
+            return None
+        return PrepareStoreOutput(
+            keys_to_store=[OffloadKey(k) for k in out.keys_to_store],
+            store_spec=CPULoadStoreSpec(out.block_ids),
+            evicted_keys=[OffloadKey(k) for k in out.evicted_keys],
+        )
+
+    def complete_store(
+        self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
+    ) -> None:
+        self.manager.complete_store(list(keys), self.context(req_context), success=success)
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        self.manager.on_request_finished(self.context(req_context))
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        for event in self.manager.take_events():
+            yield OffloadingEvent(
+                keys=[OffloadKey(k) for k in event.keys],
+                medium=Medium.CPU,
+                removed=event.kind == "removed",
+            )
+
+    def get_stats(self) -> Any:
+        return fill_stats(self.manager.stats(), self.manager.num_blocks, self._reported)
+
+    def reset_cache(self) -> None:
+        self.manager.reset()

@@ -1,0 +1,96 @@
+"""kvtier's keys in vLLM's ``kv_connector_extra_config``, validated at start-up.
+
+Imports nothing from vLLM, so the rules are testable (and documented) without it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+from kvtier.errors import KVTierError
+from kvtier.leases import DEFAULT_LEASE_TIMEOUT_S, DEFAULT_MAX_LEASES_PER_REQUEST
+from kvtier.policies import policy_class
+
+VLLM_KEYS = frozenset(
+    {
+        "spec_name",
+        "spec_module_path",
+        "offload_prompt_only",
+        "self_describing_kv_events",
+        "block_size",
+        "blocks_per_chunk",
+        "canonical_layout",
+    }
+)
+"""Keys of the same dict that vLLM itself reads; passed through untouched."""
+
+
+class ConfigError(KVTierError, ValueError):
+    """A ``kv_connector_extra_config`` value kvtier cannot use; names the key."""
+
+
+@dataclass(frozen=True)
+class KVTierSettings:
+    """kvtier's configuration of one engine (see the README's config table).
+
+    ``cpu_bytes_to_use`` is required: the CPU slot region's size in bytes.
+    """
+
+    cpu_bytes_to_use: int
+    eviction_policy: str = "lru"
+    store_threshold: int = 1
+    max_tracker_size: int = 64_000
+    eviction_history_size: int = 10_000
+    lease_timeout_s: float = DEFAULT_LEASE_TIMEOUT_S
+    max_leases_per_request: int = DEFAULT_MAX_LEASES_PER_REQUEST
+
+    @classmethod
+    def accepted_keys(cls) -> list[str]:
+        """kvtier's own keys, in declaration order."""
+        return [f.name for f in fields(cls)]
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any]) -> KVTierSettings:
+        """Validate ``extra``; raise ``ConfigError`` naming the first bad key."""
+        if not isinstance(extra, Mapping):
+            raise ConfigError(f"kv_connector_extra_config must be a dict, got {extra!r}")
+        own = cls.accepted_keys()
+        unknown = sorted(set(extra) - set(own) - VLLM_KEYS)
+        if unknown:
+            raise ConfigError(
+                f"unknown kv_connector_extra_config key(s) {unknown} for KVTierSpec; "
+                f"kvtier accepts {own} (plus vLLM's own {sorted(VLLM_KEYS)})"
+            )
+        if "cpu_bytes_to_use" not in extra:
+            raise ConfigError(
+                "kv_connector_extra_config needs 'cpu_bytes_to_use': the bytes of CPU "
+                "memory kvtier may use for offloaded KV blocks, e.g. 8000000000"
+            )
+        values = {k: extra[k] for k in own if k in extra}
+        settings = cls(**values)
+        settings._validate()
+        return settings
+
+    def _validate(self) -> None:
+        _int_at_least("cpu_bytes_to_use", self.cpu_bytes_to_use, 1, "a byte count")
+        _int_at_least("store_threshold", self.store_threshold, 1,
+                      "1 stores every block, 2 only blocks offered twice")
+        _int_at_least("max_tracker_size", self.max_tracker_size, 1, "entries")
+        _int_at_least("eviction_history_size", self.eviction_history_size, 0, "keys")
+        _int_at_least("max_leases_per_request", self.max_leases_per_request, 1, "keys")
+        timeout = self.lease_timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+            raise ConfigError(f"lease_timeout_s must be a number of seconds > 0, got {timeout!r}")
+        if not isinstance(self.eviction_policy, str):
+            raise ConfigError(f"eviction_policy must be a str, got {self.eviction_policy!r}")
+        try:
+            policy_class(self.eviction_policy)
+        except ValueError as exc:
+            raise ConfigError(f"eviction_policy: {exc}") from None
+
+
+def _int_at_least(key: str, value: object, low: int, meaning: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ConfigError(f"{key} must be an int >= {low} ({meaning}), got {value!r}")

@@ -1,0 +1,100 @@
+"""``KVTierSpec``: kvtier as a vLLM offloading spec (``spec_name`` "KVTierSpec")."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.v1.kv_offload.base import (
+    CanonicalKVCaches,
+    OffloadingManager,
+    OffloadingSpec,
+    OffloadingWorker,
+)
+from vllm.v1.kv_offload.config import OffloadingConfig
+
+from kvtier.manager import OffloadManager
+from kvtier.slots.region import DEFAULT_ALIGNMENT, PREFIX, SUFFIX, SlotRegion
+from kvtier.vllm.adapter import KVTierOffloadingManager
+from kvtier.vllm.metrics import metric_definitions
+from kvtier.vllm.settings import ConfigError, KVTierSettings
+from kvtier.vllm.worker import VllmSlotWorker
+
+
+def shared_region_name(engine_id: str, rank: int) -> str:
+    """Name of an engine rank's slot region: computable by every process of the engine."""
+    safe = "".join(c if c.isalnum() or c in "_.-" else "_" for c in engine_id)[:64]
+    return f"{PREFIX}{safe or 'engine'}-rank{rank}{SUFFIX}"
+
+
+class KVTierSpec(OffloadingSpec):
+    """Builds kvtier's scheduler-side manager and worker-side transfer worker.
+
+    vLLM constructs the spec once per role (scheduler, each worker); both
+    derive the same slot geometry from the config: one slot holds one engine
+    block of this rank (``worker_kv_bytes_per_block`` bytes, 4 KiB aligned),
+    and ``cpu_bytes_to_use`` is shared by all ranks. Bad configuration raises
+    ``ConfigError`` here, at start-up.
+    """
+
+    @classmethod
+    def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, Any]:
+        return metric_definitions()
+
+    def __init__(self, config: OffloadingConfig) -> None:
+        super().__init__(config)
+        self.settings = KVTierSettings.from_extra_config(self.extra_config)
+        if self.blocks_per_chunk != 1:
+            raise ConfigError(
+                f"KVTierSpec stores one engine block per slot; blocks_per_chunk="
+                f"{self.blocks_per_chunk} (from 'block_size'/'blocks_per_chunk') is not "
+                "supported: leave both unset"
+            )
+        self.slot_bytes = config.worker_kv_bytes_per_block
+        self.num_slots = self._count_slots(config)
+        self._manager: KVTierOffloadingManager | None = None
+        self._worker: VllmSlotWorker | None = None
+
+    def _count_slots(self, config: OffloadingConfig) -> int:
+        if self.slot_bytes <= 0:
+            return 0
+        stride = -(-self.slot_bytes // DEFAULT_ALIGNMENT) * DEFAULT_ALIGNMENT
+        ranks = max(1, config.parallel.world_size)
+        num_slots = self.settings.cpu_bytes_to_use // (stride * ranks)
+        if num_slots < 1:
+            raise ConfigError(
+                f"cpu_bytes_to_use={self.settings.cpu_bytes_to_use} holds no KV block: "
+                f"one block takes {stride} bytes on each of {ranks} rank(s)"
+            )
+        return num_slots
+
+    def get_manager(self) -> OffloadingManager:
+        if self._manager is None:
+            s = self.settings
+            manager = OffloadManager(
+                self.num_slots,
+                policy=s.eviction_policy,
+                store_threshold=s.store_threshold,
+                max_tracker_size=s.max_tracker_size,
+                enable_events=self.kv_events_config.enable_kv_cache_events,
+                eviction_history_size=s.eviction_history_size,
+                max_leases_per_request=s.max_leases_per_request,
+                lease_timeout_s=s.lease_timeout_s,
+            )
+            self._manager = KVTierOffloadingManager(manager)
+        return self._manager
+
+    def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
+        if self._worker is None:
+            rank = self.config.parallel.rank
+            region = SlotRegion.create_or_attach(
+                self.config.engine_id,
+                self.num_slots,
+                self.slot_bytes,
+                name=shared_region_name(self.config.engine_id, rank),
+            )
+            try:
+                self._worker = VllmSlotWorker(kv_caches, region, own_region=True)
+            except BaseException:
+                region.close()
+                raise
+        return self._worker

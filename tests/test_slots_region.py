@@ -1,0 +1,219 @@
+"""SlotRegion: real POSIX shared memory, shared across spawned processes."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import cast
+
+import numpy as np
+import pytest
+import torch
+
+from kvtier.slots.region import (
+    RegionHeader,
+    SlotRegion,
+    cleanup_stale_regions,
+    default_shm_dir,
+    region_name,
+)
+
+SPAWN = mp.get_context("spawn")
+
+
+@pytest.fixture
+def engine_id() -> str:
+    return f"test-{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+def region(engine_id: str) -> Iterator[SlotRegion]:
+    r = SlotRegion.create(engine_id, num_slots=8, slot_bytes=5000)
+    yield r
+    r.close()
+
+
+# ---------------------------------------------------------------- child procs
+def _child_read_write(name: str, read_slot: int, write_slot: int, q: mp.Queue) -> None:
+    r = SlotRegion.attach(name)
+    try:
+        q.put((r.num_slots, r.slot_bytes, bytes(r.slot_array(read_slot)[:16])))
+        r.slot_array(write_slot)[:] = 0xAB
+    finally:
+        r.close()
+
+
+def _child_create_and_die(engine_id: str, q: mp.Queue) -> None:
+    r = SlotRegion.create(engine_id, num_slots=2, slot_bytes=4096)
+    q.put(str(r.path))
+    q.close()
+    q.join_thread()
+    os._exit(0)  # no close(), no finalizers: like a crashed engine
+
+
+def _run(target: Callable[..., None], *args: object) -> object:
+    q: mp.Queue = SPAWN.Queue()
+    proc = SPAWN.Process(target=target, args=(*args, q))
+    proc.start()
+    out = q.get(timeout=60)
+    proc.join(timeout=60)
+    assert proc.exitcode == 0
+    return out
+
+
+# ---------------------------------------------------------------- create/attach
+def test_create_maps_shared_memory_file(region: SlotRegion, engine_id: str) -> None:
+    assert region.path.parent == default_shm_dir()
+    assert region.name == region_name(engine_id) == f"kvtier-{engine_id}-{os.getpid()}.slots"
+    assert region.path.exists()
+    assert (region.num_slots, region.slot_bytes, region.slot_stride) == (8, 5000, 8192)
+    assert region.as_numpy().shape == (8, 5000)
+    assert region.as_numpy(padded=True).shape == (8, 8192)
+    assert region.base_address() % 4096 == 0
+    header = RegionHeader.read(region.path)
+    assert header.creator_pid == os.getpid()
+    assert header.engine_id == engine_id
+
+
+def test_attach_from_spawned_process_sees_and_writes_bytes(region: SlotRegion) -> None:
+    region.slot_array(3)[:16] = np.arange(16, dtype=np.uint8)
+    num_slots, slot_bytes, seen = cast(
+        tuple[int, int, bytes], _run(_child_read_write, region.name, 3, 5)
+    )
+    assert (num_slots, slot_bytes) == (8, 5000)
+    assert seen == bytes(range(16))
+    assert (region.slot_array(5) == 0xAB).all()
+    assert (region.slot_array(4) == 0).all()
+    assert region.path.exists()  # an attacher's close() never unlinks
+
+
+def test_views_share_memory_without_copies(region: SlotRegion) -> None:
+    arr = region.as_numpy()
+    t8 = region.as_torch()
+    ti8 = region.as_torch(torch.int8)
+    assert t8.dtype == torch.uint8 and ti8.dtype == torch.int8
+    assert t8.data_ptr() == ti8.data_ptr() == arr.ctypes.data
+    t8[2, 7] = 200
+    assert arr[2, 7] == 200 and ti8[2, 7].item() == 200 - 256
+    region.slot_array(6)[-1] = 9
+    assert t8[6, -1].item() == 9
+    with pytest.raises(ValueError, match="uint8 or int8"):
+        region.as_torch(torch.float32)
+
+
+def test_attach_checks_geometry_and_kind(region: SlotRegion, tmp_path: Path) -> None:
+    attached = SlotRegion.attach(region.path, num_slots=8, slot_bytes=5000)
+    attached.close()
+    with pytest.raises(ValueError, match="expected num_slots=9"):
+        SlotRegion.attach(region.name, num_slots=9)
+    with pytest.raises(FileNotFoundError, match="no slot region"):
+        SlotRegion.attach(f"kvtier-missing-{uuid.uuid4().hex}.slots")
+    junk = tmp_path / "junk.slots"
+    junk.write_bytes(b"x" * 8192)
+    with pytest.raises(ValueError, match="not a kvtier slot region"):
+        SlotRegion.attach(junk)
+
+
+def test_create_twice_fails_and_create_or_attach_joins(engine_id: str) -> None:
+    name = f"kvtier-{engine_id}-rank0.slots"
+    first = SlotRegion.create_or_attach(engine_id, 4, 100, name=name)
+    try:
+        with pytest.raises(FileExistsError, match="already exists"):
+            SlotRegion.create(engine_id, 4, 100, name=name)
+        second = SlotRegion.create_or_attach(engine_id, 4, 100, name=name)
+        assert first.is_creator and not second.is_creator
+        second.slot_array(1)[0] = 7
+        assert first.slot_array(1)[0] == 7
+        second.close()
+    finally:
+        first.close()
+    assert not (default_shm_dir() / name).exists()
+
+
+# ---------------------------------------------------------------- cleanup
+def test_close_unlinks_and_is_idempotent(engine_id: str) -> None:
+    r = SlotRegion.create(engine_id, 2, 64)
+    path = r.path
+    view = r.as_numpy()
+    view[1, 3] = 5
+    r.close()
+    r.close()
+    assert r.closed and not path.exists()
+    assert view[1, 3] == 5  # a live view keeps the mapping valid
+    with pytest.raises(ValueError, match="closed"):
+        r.as_numpy()
+
+
+def test_context_manager_unlinks(engine_id: str) -> None:
+    with SlotRegion.create(engine_id, 2, 64) as r:
+        path = r.path
+        assert path.exists()
+    assert not path.exists()
+
+
+def test_stale_region_of_dead_creator_is_removed(engine_id: str) -> None:
+    stale_path = Path(str(_run(_child_create_and_die, engine_id)))
+    assert stale_path.exists()
+    live = SlotRegion.create(f"{engine_id}-new", 2, 64)  # creation cleans up
+    try:
+        assert not stale_path.exists()
+        assert live.path.exists()
+        assert cleanup_stale_regions() == []  # our own live region stays
+        assert live.path.exists()
+    finally:
+        live.close()
+
+
+def test_region_with_reused_pid_is_stale(engine_id: str) -> None:
+    # A header naming this (live) pid but another process start time: the pid
+    # was reused, the creator is gone.
+    header = RegionHeader(4096, 1, 64, 4096, os.getpid(), 1, engine_id)
+    path = default_shm_dir() / f"kvtier-{engine_id}-fixed.slots"
+    path.write_bytes(header.pack().ljust(8192, b"\0"))
+    try:
+        assert path in cleanup_stale_regions()
+    finally:
+        path.unlink(missing_ok=True)
+
+
+# ---------------------------------------------------------------- bad input
+@pytest.mark.parametrize(
+    ("num_slots", "slot_bytes", "match"),
+    [
+        (0, 64, "num_slots must be a positive int"),
+        (-3, 64, "num_slots must be a positive int"),
+        (4, 0, "slot_bytes must be a positive int"),
+        (4, -1, "slot_bytes must be a positive int"),
+        (4, 6.5, "slot_bytes must be a positive int"),
+        (True, 64, "num_slots must be a positive int"),
+    ],
+)
+def test_bad_sizes_rejected(
+    engine_id: str, num_slots: object, slot_bytes: object, match: str
+) -> None:
+    with pytest.raises(ValueError, match=match):
+        SlotRegion.create(engine_id, num_slots, slot_bytes)  # type: ignore[arg-type]
+    assert not (default_shm_dir() / region_name(engine_id)).exists()
+
+
+def test_bad_alignment_and_oversize_rejected(engine_id: str) -> None:
+    with pytest.raises(ValueError, match="power of two"):
+        SlotRegion.create(engine_id, 4, 64, alignment=3000)
+    with pytest.raises(MemoryError, match=r"needs .* bytes but"):
+        SlotRegion.create(engine_id, 1 << 20, 1 << 30)
+    assert not (default_shm_dir() / region_name(engine_id)).exists()
+
+
+@pytest.mark.parametrize("slot_id", [-1, 8, 100])
+def test_out_of_range_slot_ids_rejected(region: SlotRegion, slot_id: int) -> None:
+    with pytest.raises(IndexError, match=f"slot id {slot_id} out of range .* 8 slots"):
+        region.slot_array(slot_id)
+
+
+def test_non_int_slot_id_rejected(region: SlotRegion) -> None:
+    with pytest.raises(TypeError, match="slot id must be an int"):
+        region.slot_array("1")  # type: ignore[arg-type]
+    assert region.slot_array(np.int64(7)).shape == (5000,)
