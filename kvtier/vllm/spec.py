@@ -78,6 +78,7 @@ class KVTierSpec(OffloadingSpec):
                 enable_events=self.kv_events_config.enable_kv_cache_events,
                 eviction_history_size=s.eviction_history_size,
                 max_leases_per_request=s.max_leases_per_request,
+                max_leased_blocks=s.max_leased_blocks,
                 lease_timeout_s=s.lease_timeout_s,
             )
             self._manager = KVTierOffloadingManager(manager)

@@ -1,0 +1,401 @@
+"""``kvtier demo``: a multi-turn chat workload on a real vLLM engine, with and without kvtier.
+
+Several conversations share a system prompt; each turn appends the model's
+reply and a new user message, so every prompt extends the previous one of its
+conversation. The engine's own (GPU) prefix cache is emptied before every turn,
+so whatever prefix is not recomputed was served by kvtier. The workload runs on
+an engine with kvtier and on one without (same settings); per turn the demo
+prints the prompt length, the tokens served from kvtier and the time to first
+token (TTFT) of both, then a summary and whether the greedy outputs matched.
+
+Nothing to configure: the tiny model is built once into ``~/.cache/kvtier``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from kvtier.demo import engine as E
+from kvtier.demo.tiny_model import build_tiny_llama, is_built, token_prompt
+
+if TYPE_CHECKING:
+    from vllm import LLM
+
+SETTLE_S = 0.05
+"""Pause before each measured request: back-to-back requests on a busy CPU give
+noisier TTFTs (vLLM's CPU backend runs OpenMP threads bound to cores)."""
+MAX_POSITIONS = 4096
+"""The tiny model's ``max_position_embeddings``."""
+DEFAULT_CPU_BYTES = 64 << 20
+"""kvtier's CPU tier in the demo: 2048 slots of the tiny model's 32 KiB blocks."""
+
+
+class DemoError(Exception):
+    """Options the demo cannot run with; printed as ``kvtier: error: ...``."""
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Shape of the chat workload; every token id is deterministic."""
+
+    conversations: int = 4
+    turns: int = 4
+    system_tokens: int = 512
+    user_tokens: int = 128
+    reply_tokens: int = 32
+    repeats: int = 5
+    """Passes over the workload (the first generates the replies, the others
+    replay its prompts with one output token); TTFT is their best and median."""
+
+    def system_prompt(self) -> list[int]:
+        """The system prompt all conversations start with."""
+        return token_prompt(self.system_tokens, start=11)
+
+    def user_message(self, conversation: int, turn: int) -> list[int]:
+        """User message ``turn`` of ``conversation`` (distinct for each pair)."""
+        return token_prompt(self.user_tokens, start=1000 + 131 * conversation + 17 * turn)
+
+    def check(self) -> None:
+        """Raise ``DemoError`` when the longest sequence does not fit the tiny model."""
+        longest = self.max_prompt_tokens() + self.reply_tokens
+        if longest > MAX_POSITIONS:
+            raise DemoError(
+                f"the last turn needs {longest} tokens but the tiny model takes at most "
+                f"{MAX_POSITIONS}: use fewer turns or shorter messages"
+            )
+
+    def max_prompt_tokens(self) -> int:
+        """Prompt length of the last turn."""
+        per_turn = self.user_tokens + self.reply_tokens
+        return self.system_tokens + self.turns * per_turn - self.reply_tokens
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One turn of one conversation in one run."""
+
+    conversation: int
+    turn: int
+    prompt: tuple[int, ...]
+    cached_tokens: int
+    ttft_s: float
+    output: tuple[int, ...]
+    """The reply (chat pass) or its first token (replays)."""
+
+
+@dataclass
+class RunResult:
+    """The workload on one engine: the chat pass, then its replays."""
+
+    kvtier: bool
+    repeats: list[list[Turn]] = field(default_factory=list)
+    stats: dict[str, int] | None = None
+
+
+# -- running ---------------------------------------------------------------------
+
+
+def default_model_dir() -> Path:
+    """``$XDG_CACHE_HOME/kvtier/tiny-llama`` (``~/.cache``), or a temp dir if unwritable."""
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    target = base / "kvtier" / "tiny-llama"
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return Path(tempfile.gettempdir()) / "kvtier-tiny-llama"
+    return target
+
+
+def _reset_gpu_cache(llm: LLM) -> None:
+    """Empty the engine's own prefix cache, so any hit must come from kvtier."""
+    if not llm.reset_prefix_cache():
+        raise RuntimeError("vLLM refused to reset its prefix cache")
+
+
+def _turn(llm: LLM, conversation: int, turn: int, prompt: list[int], max_tokens: int) -> Turn:
+    """One request on an empty GPU prefix cache; its blocks reach kvtier before it returns."""
+    _reset_gpu_cache(llm)
+    time.sleep(SETTLE_S)
+    out = E.generate(llm, [prompt], max_tokens=max_tokens)[0]
+    E.drain(llm)  # stores are submitted on the engine's next step
+    if out.ttft_s is None:
+        raise RuntimeError("vLLM reported no time to first token")
+    return Turn(conversation, turn, tuple(prompt), out.num_cached_tokens, out.ttft_s,
+                out.token_ids)
+
+
+def chat_pass(llm: LLM, w: Workload, kvtier: bool) -> list[Turn]:
+    """The workload, turn by turn across conversations; replies become history."""
+    llm.reset_prefix_cache(reset_connector=kvtier)  # start from empty caches
+    system = w.system_prompt()
+    history = [system + w.user_message(c, 0) for c in range(w.conversations)]
+    turns: list[Turn] = []
+    for t in range(w.turns):
+        for c in range(w.conversations):
+            done = _turn(llm, c + 1, t + 1, history[c], w.reply_tokens)
+            turns.append(done)
+            history[c] = history[c] + list(done.output) + w.user_message(c, t + 1)
+    return turns
+
+
+def replay_pass(llm: LLM, turns: Sequence[Turn], kvtier: bool) -> list[Turn]:
+    """The prompts of a chat pass again, in order, from empty caches: TTFT only.
+
+    Only prompt blocks are offloaded, so kvtier goes through the same states
+    as in the chat pass and serves the same prefixes.
+    """
+    llm.reset_prefix_cache(reset_connector=kvtier)
+    return [_turn(llm, t.conversation, t.turn, list(t.prompt), 1) for t in turns]
+
+
+def run_engine(model: Path, w: Workload, cpu_bytes: int | None) -> RunResult:
+    """Start an engine (kvtier when ``cpu_bytes`` is set): one chat pass, then replays."""
+    extra = None if cpu_bytes is None else E.kvtier_config(cpu_bytes)
+    result = RunResult(kvtier=extra is not None)
+    with E.running_engine(model, extra, engine_settings(w)) as llm:
+        _warm_up(llm)
+        chat = chat_pass(llm, w, result.kvtier)
+        result.repeats.append(chat)
+        for _ in range(w.repeats - 1):
+            result.repeats.append(replay_pass(llm, chat, result.kvtier))
+        if result.kvtier and E.single_process():
+            result.stats = E.kvtier_manager(llm).stats()
+    return result
+
+
+def engine_settings(w: Workload) -> E.EngineSettings:
+    """The spike's settings, with room for the workload's longest sequence."""
+    need = w.max_prompt_tokens() + w.reply_tokens
+    model_len = max(1024, -(-need // 1024) * 1024)
+    block = E.EngineSettings.block_size
+    return E.EngineSettings(
+        max_model_len=model_len, num_gpu_blocks=2 * model_len // block, log_stats=True
+    )
+
+
+def _warm_up(llm: LLM) -> None:
+    """One throw-away request, so the first measured turn pays no first-call costs."""
+    E.generate(llm, [token_prompt(100, start=400)], max_tokens=2)
+
+
+# -- report ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TurnRow:
+    """A turn's line of the report: TTFT best and median over the repeats.
+
+    The table shows the best: background load on the CPU only ever adds time.
+    """
+
+    conversation: int
+    turn: int
+    prompt_tokens: int
+    kvtier_tokens: int
+    ttft_kvtier_ms: float
+    ttft_baseline_ms: float
+    ttft_kvtier_median_ms: float
+    ttft_baseline_median_ms: float
+    identical: bool
+    baseline_cached_tokens: int
+    """Should be 0: the GPU prefix cache is reset before every turn."""
+
+
+def _ms(seconds: float) -> float:
+    return round(seconds * 1000, 3)
+
+
+def turn_rows(with_kv: RunResult, without: RunResult) -> list[TurnRow]:
+    """Per-turn rows. A turn is identical when both chat passes had the same prompt
+    and reply and every replay's first token is the reply's."""
+    rows = []
+    for i, first in enumerate(with_kv.repeats[0]):
+        kv = [rep[i] for rep in with_kv.repeats]
+        base = [rep[i] for rep in without.repeats]
+        reply = base[0].output
+        rows.append(TurnRow(
+            conversation=first.conversation,
+            turn=first.turn,
+            prompt_tokens=len(first.prompt),
+            kvtier_tokens=min(turn.cached_tokens for turn in kv),
+            ttft_kvtier_ms=_ms(min(turn.ttft_s for turn in kv)),
+            ttft_baseline_ms=_ms(min(turn.ttft_s for turn in base)),
+            ttft_kvtier_median_ms=_ms(statistics.median(turn.ttft_s for turn in kv)),
+            ttft_baseline_median_ms=_ms(statistics.median(turn.ttft_s for turn in base)),
+            identical=first.prompt == base[0].prompt and first.output == reply
+            and all(turn.output == reply[:1] for turn in kv[1:] + base[1:]),
+            baseline_cached_tokens=max(turn.cached_tokens for turn in base),
+        ))
+    return rows
+
+
+def summarize(rows: Sequence[TurnRow]) -> dict[str, Any]:
+    """Totals: prefill saved, TTFT with and without kvtier, output check."""
+    prompt = sum(r.prompt_tokens for r in rows)
+    served = sum(r.kvtier_tokens for r in rows)
+    kv_ms = sum(r.ttft_kvtier_ms for r in rows)
+    base_ms = sum(r.ttft_baseline_ms for r in rows)
+    kv_median = sum(r.ttft_kvtier_median_ms for r in rows)
+    base_median = sum(r.ttft_baseline_median_ms for r in rows)
+    return {
+        "turns": len(rows),
+        "prompt_tokens": prompt,
+        "kvtier_tokens": served,
+        "prefill_saved": round(served / prompt, 4) if prompt else 0.0,
+        "mean_ttft_kvtier_ms": round(kv_ms / len(rows), 3),
+        "mean_ttft_baseline_ms": round(base_ms / len(rows), 3),
+        "ttft_ratio": round(kv_ms / base_ms, 4),
+        "ttft_ratio_of_medians": round(kv_median / base_median, 4),
+        "identical_turns": sum(r.identical for r in rows),
+        "outputs_identical": all(r.identical for r in rows),
+        "baseline_cached_tokens": sum(r.baseline_cached_tokens for r in rows),
+    }
+
+
+HEADER = ("conv", "turn", "prompt", "from kvtier", "TTFT kvtier", "TTFT without", "same")
+
+
+def format_table(rows: Sequence[TurnRow]) -> list[str]:
+    """Aligned text lines: a header, then one line per turn."""
+    widths = [4, 4, 6, 11, 11, 12, 4]
+    lines = ["  ".join(h.rjust(w) for h, w in zip(HEADER, widths, strict=True))]
+    for r in rows:
+        cells = (str(r.conversation), str(r.turn), str(r.prompt_tokens), str(r.kvtier_tokens),
+                 f"{r.ttft_kvtier_ms:.2f} ms", f"{r.ttft_baseline_ms:.2f} ms",
+                 "yes" if r.identical else "NO")
+        lines.append("  ".join(c.rjust(w) for c, w in zip(cells, widths, strict=True)))
+    return lines
+
+
+def format_summary(s: dict[str, Any], stats: dict[str, int] | None) -> list[str]:
+    """The summary lines under the table."""
+    lines = [
+        f"prefill saved: {s['kvtier_tokens']} of {s['prompt_tokens']} prompt tokens "
+        f"served from kvtier ({s['prefill_saved']:.1%})",
+        f"TTFT, mean per turn of the best runs: {s['mean_ttft_kvtier_ms']:.2f} ms with "
+        f"kvtier vs {s['mean_ttft_baseline_ms']:.2f} ms without, ratio {s['ttft_ratio']:.2f} "
+        f"(of the medians, which a busy CPU inflates: {s['ttft_ratio_of_medians']:.2f})",
+        f"greedy outputs identical with and without kvtier: "
+        f"{'yes' if s['outputs_identical'] else 'NO'} "
+        f"({s['identical_turns']}/{s['turns']} turns); without kvtier "
+        f"{s['baseline_cached_tokens']} prompt tokens were cached",
+    ]
+    if stats is not None:
+        lines.append(
+            f"kvtier CPU tier: {stats['hits']} block hits, {stats['stores']} stores, "
+            f"{stats['evictions']} evictions, {stats['resident']} blocks resident"
+        )
+    return lines
+
+
+# -- entry point -------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The demo's options (all optional)."""
+    w = Workload()
+    for name, help_text in (
+        ("conversations", "conversations"),
+        ("turns", "turns per conversation"),
+        ("system_tokens", "tokens of the shared system prompt"),
+        ("user_tokens", "tokens of each user message"),
+        ("reply_tokens", "tokens the model replies per turn"),
+        ("repeats", "runs of the workload; TTFT is their best"),
+    ):
+        default = getattr(w, name)
+        parser.add_argument(f"--{name.replace('_', '-')}", type=_positive, default=default,
+                            metavar="N", help=f"{help_text} (default {default})")
+    parser.add_argument("--cpu-bytes", type=_positive, default=DEFAULT_CPU_BYTES, metavar="B",
+                        help=f"kvtier's CPU tier in bytes (default {DEFAULT_CPU_BYTES})")
+    parser.add_argument("--model-dir", type=Path, default=None, metavar="DIR",
+                        help="where the tiny model is built (default ~/.cache/kvtier/tiny-llama)")
+    parser.add_argument("--json", action="store_true", help="one JSON object instead of a table")
+
+
+def workload(args: argparse.Namespace) -> Workload:
+    """The workload the parsed options describe."""
+    return Workload(**{f.name: getattr(args, f.name) for f in fields(Workload)})
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _quiet_defaults() -> None:
+    """One process and quiet vLLM logs, unless the caller's environment says otherwise."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the demo for parsed ``args``; exit status 0, or 1 when outputs differ."""
+    w = workload(args)
+    w.check()
+    _quiet_defaults()
+    model_dir = args.model_dir or default_model_dir()
+    say = _progress(args.json)
+    if not is_built(model_dir):
+        say(f"building the tiny model in {model_dir} ...")
+    model = build_tiny_llama(model_dir)
+    started = time.perf_counter()
+    say("running the chat workload without kvtier ...")
+    without = run_engine(model, w, None)
+    say("running the chat workload with kvtier ...")
+    with_kv = run_engine(model, w, args.cpu_bytes)
+    rows = turn_rows(with_kv, without)
+    summary = summarize(rows)
+    _print_report(args, w, rows, summary, with_kv.stats, time.perf_counter() - started)
+    return 0 if summary["outputs_identical"] else 1
+
+
+def _progress(quiet: bool) -> Any:
+    def say(text: str) -> None:
+        if not quiet:
+            print(text, file=sys.stderr, flush=True)
+
+    return say
+
+
+def _print_report(args: argparse.Namespace, w: Workload, rows: Sequence[TurnRow],
+                  summary: dict[str, Any], stats: dict[str, int] | None, seconds: float) -> None:
+    if args.json:
+        print(json.dumps({"workload": asdict(w), "cpu_bytes": args.cpu_bytes,
+                          "turns": [asdict(r) for r in rows], "summary": summary,
+                          "kvtier_stats": stats, "seconds": round(seconds, 1)}))
+        return
+    print(f"kvtier demo: {w.conversations} conversations x {w.turns} turns, shared "
+          f"{w.system_tokens}-token system prompt, +{w.user_tokens} user and "
+          f"{w.reply_tokens} reply tokens per turn; tiny Llama on vLLM (CPU), "
+          f"GPU prefix cache reset before every turn; TTFT = best of {w.repeats} runs")
+    for line in [*format_table(rows), "", *format_summary(summary, stats)]:
+        print(line)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m kvtier.demo.chat``: the same as ``kvtier demo``."""
+    parser = argparse.ArgumentParser(prog="kvtier demo", description=__doc__)
+    add_arguments(parser)
+    try:
+        return run(parser.parse_args(argv))
+    except DemoError as exc:
+        parser.error(str(exc))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

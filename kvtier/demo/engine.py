@@ -1,0 +1,203 @@
+"""Start vLLM on the tiny local model, with or without kvtier, and generate.
+
+Settings come from the integration spike (docs/vllm-integration-notes.md):
+block size 32 (CPU attention needs a multiple of 32), a small fixed number of
+engine KV blocks, eager mode, bfloat16, token-id prompts and greedy sampling.
+vLLM is imported on first use. A script that starts an engine needs an
+``if __name__ == "__main__":`` guard: vLLM's worker processes re-import it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vllm import LLM, RequestOutput
+
+    from kvtier.manager import OffloadManager
+
+SPEC_CONFIG = {"spec_name": "KVTierSpec", "spec_module_path": "kvtier.vllm"}
+"""The ``kv_connector_extra_config`` keys that select kvtier."""
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """vLLM settings shared by the runs with and without kvtier.
+
+    ``num_gpu_blocks * block_size`` must be at least ``max_model_len``.
+    """
+
+    block_size: int = 32
+    max_model_len: int = 1024
+    num_gpu_blocks: int = 64
+    max_num_seqs: int = 4
+    kv_cache_memory_bytes: int = 64 << 20
+    log_stats: bool = False
+    """Keep vLLM's request metrics (``RequestOutput.metrics``: time to first token)."""
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One request's outcome."""
+
+    prompt_tokens: int
+    token_ids: tuple[int, ...]
+    num_cached_tokens: int
+    """Prompt tokens not computed: GPU prefix cache plus kvtier hits."""
+    ttft_s: float | None
+    """Time to first token from vLLM's metrics (None unless ``log_stats``)."""
+
+
+def kvtier_config(cpu_bytes_to_use: int, **extra: Any) -> dict[str, Any]:
+    """``kv_connector_extra_config`` enabling kvtier with ``extra`` settings."""
+    return {**SPEC_CONFIG, "cpu_bytes_to_use": cpu_bytes_to_use, **extra}
+
+
+def start_engine(
+    model: str | Path,
+    extra_config: Mapping[str, Any] | None = None,
+    settings: EngineSettings | None = None,
+) -> LLM:
+    """A ``vllm.LLM`` on ``model``; with kvtier when ``extra_config`` is given.
+
+    ``extra_config`` is passed verbatim as the OffloadingConnector's
+    ``kv_connector_extra_config`` (see :func:`kvtier_config`).
+    """
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    s = settings or EngineSettings()
+    transfer = None
+    if extra_config is not None:
+        transfer = KVTransferConfig(
+            kv_connector="OffloadingConnector",
+            kv_role="kv_both",
+            kv_connector_extra_config=dict(extra_config),
+        )
+    try:
+        return LLM(
+            model=str(model),
+            block_size=s.block_size,
+            max_model_len=s.max_model_len,
+            num_gpu_blocks_override=s.num_gpu_blocks,
+            kv_cache_memory_bytes=s.kv_cache_memory_bytes,
+            max_num_seqs=s.max_num_seqs,
+            enforce_eager=True,
+            dtype="bfloat16",
+            seed=0,
+            disable_log_stats=not s.log_stats,
+            kv_transfer_config=transfer,
+        )
+    except BaseException:
+        _cleanup()  # a failed start leaves vLLM's process-wide state set up
+        raise
+
+
+def _cleanup() -> None:
+    """Reset vLLM's process-wide state (distributed groups, env cache)."""
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    cleanup_dist_env_and_memory()
+
+
+def stop_engine(llm: LLM) -> None:
+    """Shut the engine down now (workers, connector, slot region)."""
+    llm.llm_engine.engine_core.shutdown()
+    _cleanup()
+
+
+@contextlib.contextmanager
+def running_engine(
+    model: str | Path,
+    extra_config: Mapping[str, Any] | None = None,
+    settings: EngineSettings | None = None,
+) -> Iterator[LLM]:
+    """:func:`start_engine` as a context manager that stops the engine on exit."""
+    llm = start_engine(model, extra_config, settings)
+    try:
+        yield llm
+    finally:
+        stop_engine(llm)
+
+
+def generate(
+    llm: LLM, prompts: Sequence[Sequence[int]], max_tokens: int = 16
+) -> list[Generation]:
+    """Greedy generations of token-id ``prompts``, in order."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    requests = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
+    outputs = llm.generate(requests, params, use_tqdm=False)
+    return [_generation(out) for out in outputs]
+
+
+def _generation(out: RequestOutput) -> Generation:
+    metrics = out.metrics
+    ttft = getattr(metrics, "first_token_latency", None) if metrics is not None else None
+    return Generation(
+        prompt_tokens=len(out.prompt_token_ids or ()),
+        token_ids=tuple(out.outputs[0].token_ids),
+        num_cached_tokens=out.num_cached_tokens or 0,
+        ttft_s=float(ttft) if ttft else None,
+    )
+
+
+def drain(llm: LLM, steps: int = 2) -> None:
+    """Let deferred stores finish: run ``steps`` one-token requests.
+
+    vLLM submits a request's stores at the start of the engine's next step and
+    completes them a step later, so an idle single-process engine leaves them
+    pending. The probe prompt is shorter than a block, so it stores nothing.
+    """
+    probe = [[1] * (llm.llm_engine.vllm_config.cache_config.block_size // 4)]
+    for _ in range(steps):
+        generate(llm, probe, max_tokens=1)
+
+
+def engine_id(llm: LLM) -> str:
+    """The engine id that names kvtier's slot region."""
+    transfer = llm.llm_engine.vllm_config.kv_transfer_config
+    if transfer is None or transfer.engine_id is None:
+        raise RuntimeError("the engine has no KV transfer config (started without kvtier)")
+    return str(transfer.engine_id)
+
+
+def region_path(llm: LLM, rank: int = 0) -> Path:
+    """Path of kvtier's slot region of ``rank`` in ``/dev/shm``."""
+    from kvtier.slots.region import default_shm_dir
+    from kvtier.vllm.spec import shared_region_name
+
+    return default_shm_dir() / shared_region_name(engine_id(llm), rank)
+
+
+def kvtier_manager(llm: LLM) -> OffloadManager:
+    """The engine's kvtier manager; needs a single-process engine.
+
+    Raises ``RuntimeError`` when the scheduler runs in another process
+    (``VLLM_ENABLE_V1_MULTIPROCESSING=1``) or the engine has no kvtier.
+    """
+    from kvtier.vllm.adapter import KVTierOffloadingManager
+
+    core = getattr(llm.llm_engine.engine_core, "engine_core", None)
+    if core is None:
+        raise RuntimeError(
+            "the scheduler runs in another process; set VLLM_ENABLE_V1_MULTIPROCESSING=0"
+        )
+    connector = core.scheduler.connector
+    scheduler = getattr(connector, "connector_scheduler", None)
+    manager = getattr(scheduler, "manager", None)
+    if not isinstance(manager, KVTierOffloadingManager):
+        raise RuntimeError(f"the engine's offloading manager is {manager!r}, not kvtier's")
+    return manager.manager
+
+
+def single_process() -> bool:
+    """Whether vLLM will run the engine core in this process."""
+    return os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0"

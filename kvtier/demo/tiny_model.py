@@ -1,0 +1,106 @@
+"""A tiny randomly initialised Llama model built locally (no downloads).
+
+Used by ``kvtier demo`` and by the tests that start a real vLLM engine on CPU.
+Needs torch, transformers and tokenizers (vLLM's dependencies), imported on use.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+VOCAB_SIZE = 512
+NUM_SPECIAL = 3  # <unk>, <s>, </s>
+_FILES = ("config.json", "model.safetensors", "tokenizer.json", "generation_config.json")
+"""Files a complete model dir has."""
+
+
+def _word_vocab() -> dict[str, int]:
+    """Word-level vocabulary: three specials plus words ``w3`` .. ``w511``."""
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for i in range(NUM_SPECIAL, VOCAB_SIZE):
+        vocab[f"w{i}"] = i
+    return vocab
+
+
+def _save_tokenizer(path: Path) -> None:
+    """Write a whitespace word-level fast tokenizer (``w3 w17 ...``) to ``path``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel(vocab=_word_vocab(), unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+        model_max_length=4096,
+    )
+    fast.save_pretrained(str(path))
+
+
+def is_built(path: str | Path) -> bool:
+    """Whether ``path`` holds a complete model dir."""
+    out = Path(path)
+    return all((out / name).is_file() for name in _FILES)
+
+
+def build_tiny_llama(path: str | Path, seed: int = 0) -> Path:
+    """Save a tiny random Llama (2 layers, 4 heads, head_dim 32) and tokenizer.
+
+    Returns ``path``. Idempotent: an existing complete model dir is reused. The
+    model is written to a temp dir beside ``path`` and renamed into place, so
+    an interrupted or concurrent build never leaves a half-written model.
+    """
+    out = Path(path)
+    if is_built(out):
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    try:
+        _write_model(tmp, seed)
+        try:
+            os.replace(tmp, out)  # atomic; replaces an empty dir
+        except OSError:
+            if not is_built(out):  # a concurrent build may have won
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _write_model(out: Path, seed: int) -> None:
+    """Write the model, tokenizer and generation config into ``out``."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=32,
+        max_position_embeddings=4096,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).bfloat16()
+    model.save_pretrained(str(out), safe_serialization=True)
+    _save_tokenizer(out)
+    (out / "generation_config.json").write_text(
+        json.dumps({"bos_token_id": 1, "eos_token_id": 2, "do_sample": False})
+    )
+
+
+def token_prompt(length: int, start: int = NUM_SPECIAL) -> list[int]:
+    """A deterministic prompt of ``length`` non-special token ids."""
+    span = VOCAB_SIZE - NUM_SPECIAL
+    return [NUM_SPECIAL + (start + 7 * i) % span for i in range(length)]
