@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Protocol, TextIO
 
 from kvtier import __version__
+from kvtier.argtypes import positive_int
 from kvtier.demo import chat as demo_chat
 from kvtier.errors import ProtocolError
 from kvtier.policies import policy_class
@@ -37,17 +38,6 @@ class CommandError(Exception):
 
 
 # -- argument types ------------------------------------------------------------
-
-
-def positive_int(text: str) -> int:
-    """Parse an int >= 1 (argparse type)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 def int_list(text: str) -> list[int]:

@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvtier.argtypes import positive_int
 from kvtier.demo import engine as E
 from kvtier.demo.tiny_model import build_tiny_llama, is_built, token_prompt
 
@@ -313,9 +314,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ("repeats", "runs of the workload; TTFT is their best"),
     ):
         default = getattr(w, name)
-        parser.add_argument(f"--{name.replace('_', '-')}", type=_positive, default=default,
+        parser.add_argument(f"--{name.replace('_', '-')}", type=positive_int, default=default,
                             metavar="N", help=f"{help_text} (default {default})")
-    parser.add_argument("--cpu-bytes", type=_positive, default=DEFAULT_CPU_BYTES, metavar="B",
+    parser.add_argument("--cpu-bytes", type=positive_int, default=DEFAULT_CPU_BYTES, metavar="B",
                         help=f"kvtier's CPU tier in bytes (default {DEFAULT_CPU_BYTES})")
     parser.add_argument("--model-dir", type=Path, default=None, metavar="DIR",
                         help="where the tiny model is built (default ~/.cache/kvtier/tiny-llama)")
@@ -325,16 +326,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def workload(args: argparse.Namespace) -> Workload:
     """The workload the parsed options describe."""
     return Workload(**{f.name: getattr(args, f.name) for f in fields(Workload)})
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 def _quiet_defaults() -> None:
