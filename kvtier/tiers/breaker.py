@@ -1,0 +1,129 @@
+"""A thread-safe circuit breaker for a remote tier.
+
+States:
+
+``closed``
+    Calls go through. ``failure_threshold`` consecutive failures open it.
+``open``
+    Calls are refused (``allow()`` is False) until ``open_s`` has passed since
+    it opened; ``open_s`` starts at ``reset_timeout_s`` and doubles each time a
+    probe fails, up to ``max_reset_timeout_s``.
+``half_open``
+    One caller is let through as the probe; the others are refused. The
+    probe's success closes the breaker (and resets ``open_s``), its failure
+    opens it again. A probe that never reports is given up after ``open_s``.
+
+Every call let through must be followed by ``record_success()`` or
+``record_failure()``. Memory and work are O(1).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Literal
+
+from kvtier.tiers.base import TierConfigError
+
+BreakerState = Literal["closed", "open", "half_open"]
+
+
+class CircuitBreaker:
+    """See the module docstring. ``on_change(state)`` is called, outside the
+    breaker's lock, when it opens after closed (``"open"``) and when it closes
+    again (``"closed"``); failed probes do not call it."""
+
+    def __init__(
+        self,
+        failure_threshold: int = 3,
+        reset_timeout_s: float = 1.0,
+        max_reset_timeout_s: float = 30.0,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        on_change: Callable[[BreakerState], None] | None = None,
+    ) -> None:
+        if isinstance(failure_threshold, bool) or not isinstance(failure_threshold, int) or (
+            failure_threshold < 1
+        ):
+            raise TierConfigError(
+                f"failure_threshold must be an int >= 1, got {failure_threshold!r}"
+            )
+        for name, value in (
+            ("reset_timeout_s", reset_timeout_s),
+            ("max_reset_timeout_s", max_reset_timeout_s),
+        ):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise TierConfigError(f"{name} must be a number of seconds > 0, got {value!r}")
+        if max_reset_timeout_s < reset_timeout_s:
+            raise TierConfigError("max_reset_timeout_s must be >= reset_timeout_s")
+        self.failure_threshold = failure_threshold
+        self.reset_timeout_s = float(reset_timeout_s)
+        self.max_reset_timeout_s = float(max_reset_timeout_s)
+        self._clock = clock
+        self._on_change = on_change
+        self._lock = threading.Lock()
+        self._state: BreakerState = "closed"
+        self._failures = 0
+        self._open_s = self.reset_timeout_s
+        self._since = 0.0  # when the current open / half-open state began
+        self.opens = 0
+        self.rejected = 0
+
+    @property
+    def state(self) -> BreakerState:
+        with self._lock:
+            return self._state
+
+    def ready(self) -> bool:
+        """Whether ``allow()`` would let a call through now (no state change)."""
+        with self._lock:
+            return self._state == "closed" or self._clock() - self._since >= self._open_s
+
+    def allow(self) -> bool:
+        """Whether a call may go now (as the probe when the breaker is open)."""
+        with self._lock:
+            if self._state == "closed":
+                return True
+            now = self._clock()
+            if now - self._since >= self._open_s:
+                # Open long enough, or a probe that never reported: probe again.
+                self._state = "half_open"
+                self._since = now
+                allowed = True
+            else:
+                self.rejected += 1
+                allowed = False
+        return allowed
+
+    def record_success(self) -> None:
+        notify: BreakerState | None = None
+        with self._lock:
+            self._failures = 0
+            if self._state != "closed":
+                self._state = "closed"
+                self._open_s = self.reset_timeout_s
+                notify = "closed"
+        self._notify(notify)
+
+    def record_failure(self) -> None:
+        notify: BreakerState | None = None
+        with self._lock:
+            self._failures += 1
+            if self._state == "half_open":
+                self._open_s = min(self._open_s * 2, self.max_reset_timeout_s)
+                self._state = "open"
+                self._since = self._clock()  # a failed probe: still open, longer
+            elif self._state == "closed" and self._failures >= self.failure_threshold:
+                self._state = "open"
+                self._since = self._clock()
+                self.opens += 1
+                notify = "open"
+        self._notify(notify)
+
+    def _notify(self, state: BreakerState | None) -> None:
+        if state is not None and self._on_change is not None:
+            self._on_change(state)
+
+    def __repr__(self) -> str:
+        return f"CircuitBreaker(state={self.state!r}, opens={self.opens})"

@@ -1,0 +1,731 @@
+"""The disk tier: one checksummed file per block under a local directory.
+
+Layout (every directory 0700, every file 0600, owned by the engine's user)::
+
+    <path>/kvtier-v1/<namespace>/<xx>/<key hex>.kvb      a block (blockfile format)
+    <path>/kvtier-v1/<namespace>/<xx>/.<name>.<pid>.<n>.tmp   a write in progress
+
+``xx`` is a byte of the key's xxh3 hash (256 subdirectories, so no directory
+grows past a few thousand entries per million blocks). A block is written to a
+temp file in the same directory, then renamed over its final name, so a reader
+sees either no file or a whole one; every read checks the header and checksum,
+and a bad file is a miss, removed, counted (``corrupt``) and reported (event).
+
+Capacity: ``capacity_bytes`` bounds the bytes of block files (each rounded up to
+4 KiB, a file system block); the least recently used blocks are evicted to make
+room. Independently, a store never lets the file system's free space drop
+below ``free_reserve_bytes``: it evicts this tier's own blocks to stay above it,
+and otherwise drops the store; ENOSPC/EDQUOT while writing is a dropped store.
+
+Warm restart: a new process scans the directory (names give the keys; one
+``stat`` per file for size and mtime; about 1 s per 100k files on a warm
+cache) and serves what it finds. Temp files of dead writers, or older than
+``tmp_max_age_s``, are removed; others are ignored.
+
+Sharing: several engines (processes) of the same user may use one directory.
+Files are only ever created by rename and removed by unlink, so readers never
+see partial data; a block one engine removed is a miss for the other.
+``contains`` finds blocks written by others (one ``stat`` per key not in this
+process's index), reads refresh a file's mtime (shared recency), and every
+``rescan_interval_s`` a store rescans the directory, so the bytes of all
+engines together stay within ``capacity_bytes`` plus what the others wrote
+since the last rescan; the free-space reserve holds at all times.
+
+Memory: the index holds at most ``capacity_bytes // 4096`` entries (about 200
+bytes each): e.g. 100k entries (20 MB) for 200 GB of 2 MiB blocks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import itertools
+import logging
+import os
+import re
+import stat
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import xxhash
+
+from kvtier.slots.region import pid_alive
+from kvtier.tiers import blockfile
+from kvtier.tiers.base import (
+    Counters,
+    Tier,
+    TierConfigError,
+    TierEvent,
+    TierEventLog,
+    WarningLimiter,
+    check_batch,
+    check_buffers,
+)
+from kvtier.tiers.blockfile import BytesLike, CorruptBlockError
+from kvtier.tiers.namespace import check_namespace
+
+logger = logging.getLogger(__name__)
+
+LAYOUT_DIR = "kvtier-v1"
+BLOCK_SUFFIX = ".kvb"
+TMP_SUFFIX = ".tmp"
+FAN_OUT = 256
+ALLOC_UNIT = 4096
+"""Bytes accounted per file are rounded up to this (a file system block)."""
+MAX_DISK_KEY_BYTES = 120
+"""Longest key the disk tier stores (file names are the key in hex)."""
+DEFAULT_RESERVE_FRACTION = 0.05
+DEFAULT_RESERVE_CAP = 1 << 30
+_TMP_NAME = re.compile(r"\.(\d+)\.\d+\.tmp$")
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+_O_READ = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
+_O_WRITE = (
+    os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+    | getattr(os, "O_NOFOLLOW", 0)
+)
+
+
+def _alloc(size: int) -> int:
+    return -(-size // ALLOC_UNIT) * ALLOC_UNIT
+
+
+def statvfs_free_bytes(path: str) -> int:
+    """Bytes an unprivileged writer may still use on ``path``'s file system."""
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def _pread_full(fd: int, buffers: list[memoryview], offset: int) -> int:
+    """Fill ``buffers`` from ``offset`` (until EOF); returns the bytes read."""
+    total = 0
+    while buffers:
+        n = os.preadv(fd, buffers, offset + total)
+        if n == 0:
+            break
+        total += n
+        while buffers and n >= buffers[0].nbytes:
+            n -= buffers[0].nbytes
+            buffers.pop(0)
+        if buffers and n:
+            buffers[0] = buffers[0][n:]
+    return total
+
+
+def _write_full(fd: int, buffers: list[memoryview]) -> None:
+    while buffers:
+        n = os.writev(fd, buffers)
+        while buffers and n >= buffers[0].nbytes:
+            n -= buffers[0].nbytes
+            buffers.pop(0)
+        if buffers and n:
+            buffers[0] = buffers[0][n:]
+
+
+def _unlink_quietly(path: str) -> bool:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return False
+    except OSError as exc:
+        logger.warning("kvtier disk tier: cannot remove %s: %s", path, exc)
+        return False
+    return True
+
+
+class DiskTier(Tier):
+    """Blocks as checksummed files under ``path`` (see the module docstring).
+
+    Parameters:
+        path: directory of the cache (created 0700 if missing).
+        namespace: from ``KVLayout(...).namespace(tenant_salt)``.
+        capacity_bytes: bytes of block files this tier may keep (``disk_bytes``).
+        max_block_bytes: largest payload accepted (``put`` raises ``ValueError``
+            beyond it); None: any that fits in ``capacity_bytes``.
+        free_reserve_bytes: free space always left on the file system; None:
+            5 % of its size, at most 1 GiB.
+        fsync: fsync each file before renaming it (durable across power loss;
+            without it a crash of the OS may leave a bad file, caught by the checksum).
+        rescan_interval_s: rescan the directory this often during stores (picks
+            up other engines' blocks and removals); None: only at start.
+        tmp_max_age_s: temp files older than this are removed even if their
+            writer's pid seems alive (pid namespaces, reused pids).
+        touch_on_hit: refresh a file's mtime on each hit (shared recency).
+        free_space: ``f(directory) -> free bytes``; default ``statvfs``. For
+            quota-managed storage, and tests (a fake-full check).
+    """
+
+    name = "disk"
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        namespace: str,
+        capacity_bytes: int,
+        *,
+        max_block_bytes: int | None = None,
+        free_reserve_bytes: int | None = None,
+        fsync: bool = False,
+        rescan_interval_s: float | None = 30.0,
+        tmp_max_age_s: float = 600.0,
+        touch_on_hit: bool = True,
+        enable_events: bool = False,
+        max_events: int = 10_000,
+        free_space: Callable[[str], int] | None = None,
+    ) -> None:
+        try:
+            self.namespace = check_namespace(namespace)
+        except (TypeError, ValueError) as exc:
+            raise TierConfigError(f"disk tier: {exc}") from None
+        self._ns = self.namespace.encode()
+        self.capacity_bytes = _int_setting("capacity_bytes (disk_bytes)", capacity_bytes,
+                                           ALLOC_UNIT)
+        self.max_block_bytes = (
+            None if max_block_bytes is None
+            else _int_setting("max_block_bytes", max_block_bytes, 1)
+        )
+        if rescan_interval_s is not None:
+            _seconds("rescan_interval_s", rescan_interval_s)
+        _seconds("tmp_max_age_s", tmp_max_age_s)
+        self.fsync = bool(fsync)
+        self.rescan_interval_s = rescan_interval_s
+        self.tmp_max_age_s = float(tmp_max_age_s)
+        self.touch_on_hit = bool(touch_on_hit)
+        self._free_space = free_space or statvfs_free_bytes
+        self._warn = WarningLimiter(logger)
+
+        self.path = Path(path)
+        self.root = self.path / LAYOUT_DIR / self.namespace
+        self._subdirs = [str(self.root / f"{i:02x}") for i in range(FAN_OUT)]
+        self._make_dirs()
+        if free_reserve_bytes is None:
+            st = os.statvfs(self.root)
+            free_reserve_bytes = min(
+                DEFAULT_RESERVE_CAP, int(st.f_blocks * st.f_frsize * DEFAULT_RESERVE_FRACTION)
+            )
+        self.free_reserve_bytes = _int_setting("free_reserve_bytes", free_reserve_bytes, 0)
+
+        self._lock = threading.Lock()
+        self._index: OrderedDict[bytes, int] = OrderedDict()  # key -> accounted bytes, LRU first
+        self._indexed_bytes = 0
+        self._pending: dict[bytes, int] = {}  # keys being written -> reserved bytes
+        self._pending_bytes = 0
+        self._scanning = False
+        self._scan_added: dict[bytes, None] = {}
+        self._scan_removed: set[bytes] = set()
+        self._tmp_serial = itertools.count()
+        self._closed = False
+        self._counters = Counters("duplicates", "no_space", "discovered", "tmp_removed")
+        self._events = TierEventLog(self.name, enable_events, max_events)
+
+        started = time.monotonic()
+        self._last_scan = started
+        try:
+            found = self._scan()
+        except OSError as exc:
+            raise TierConfigError(f"disk_path {self.path}: cannot read it: {exc}") from None
+        blocks = self._load_scan(found)
+        self.rebuild_s = time.monotonic() - started
+        logger.info(
+            "kvtier disk tier %s: %d blocks (%d bytes) found in %.3f s",
+            self.root, blocks, self._indexed_bytes, self.rebuild_s,
+        )
+
+    # ------------------------------------------------------------------ setup
+    def _make_dirs(self) -> None:
+        try:
+            if self.path.exists() and not self.path.is_dir():
+                raise TierConfigError(f"disk_path {self.path} exists and is not a directory")
+            os.makedirs(self.path, 0o700, exist_ok=True)
+            for directory in (self.path / LAYOUT_DIR, self.root):
+                self._own_dir(directory)
+            for sub in self._subdirs:
+                self._own_dir(Path(sub))
+        except OSError as exc:
+            raise TierConfigError(f"disk_path {self.path}: cannot use it: {exc}") from None
+
+    def _remake_dirs(self) -> None:
+        """Recreate removed directories while serving (errors as ``OSError``)."""
+        try:
+            self._make_dirs()
+        except TierConfigError as exc:
+            raise OSError(errno.ENOENT, str(exc)) from None
+
+    def _own_dir(self, directory: Path) -> None:
+        """Create ``directory`` 0700, or check an existing one is ours and private."""
+        try:
+            os.mkdir(directory, 0o700)
+            return
+        except FileExistsError:
+            pass
+        st = os.lstat(directory)
+        if not stat.S_ISDIR(st.st_mode):
+            raise TierConfigError(f"disk tier: {directory} is not a directory")
+        if st.st_uid != os.geteuid():
+            raise TierConfigError(
+                f"disk tier: {directory} belongs to uid {st.st_uid}, not this process's "
+                f"uid {os.geteuid()}; engines sharing a cache directory must run as one user"
+            )
+        if stat.S_IMODE(st.st_mode) != 0o700:
+            os.chmod(directory, 0o700)
+
+    def _subdir(self, key: bytes) -> str:
+        return self._subdirs[xxhash.xxh3_64_intdigest(key) & (FAN_OUT - 1)]
+
+    def _file(self, key: bytes) -> str:
+        return f"{self._subdir(key)}/{key.hex()}{BLOCK_SUFFIX}"
+
+    def _check_key(self, key: bytes) -> None:
+        if len(key) > MAX_DISK_KEY_BYTES:
+            raise ValueError(
+                f"disk tier keys are at most {MAX_DISK_KEY_BYTES} bytes, got {len(key)}"
+            )
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError(f"disk tier {self.root} is closed")
+
+    # ------------------------------------------------------------------ scan
+    def _scan(self) -> list[tuple[float, bytes, int]]:
+        """``(mtime, key, accounted bytes)`` of every block file, oldest first.
+
+        Removes temp files of dead writers and old ones on the way.
+        """
+        found: list[tuple[float, bytes, int]] = []
+        now = time.time()
+        me = os.getpid()
+        tmp_removed = 0
+        for sub in self._subdirs:
+            try:
+                entries = os.scandir(sub)
+            except FileNotFoundError:
+                self._remake_dirs()
+                continue
+            with entries:
+                for entry in entries:
+                    name = entry.name
+                    if name.endswith(BLOCK_SUFFIX) and name[0] != ".":
+                        try:
+                            key = bytes.fromhex(name[: -len(BLOCK_SUFFIX)])
+                            st = entry.stat(follow_symlinks=False)
+                        except (ValueError, OSError):
+                            continue
+                        if key and stat.S_ISREG(st.st_mode):
+                            found.append((st.st_mtime, key, _alloc(st.st_size)))
+                    elif name.endswith(TMP_SUFFIX) and name[0] == "." and (
+                        self._stale_tmp(entry, now, me)
+                        and _unlink_quietly(entry.path)
+                    ):
+                        tmp_removed += 1
+        if tmp_removed:
+            self._counters.add("tmp_removed", tmp_removed)
+            logger.info("kvtier disk tier %s: removed %d stale temp files", self.root,
+                        tmp_removed)
+        found.sort()
+        return found
+
+    def _stale_tmp(self, entry: os.DirEntry[str], now: float, me: int) -> bool:
+        match = _TMP_NAME.search(entry.name)
+        try:
+            age = now - entry.stat(follow_symlinks=False).st_mtime
+        except OSError:
+            return False
+        if age > self.tmp_max_age_s:
+            return True
+        if match is None:
+            return False
+        pid = int(match.group(1))
+        return pid != me and not pid_alive(pid)
+
+    def _load_scan(self, found: list[tuple[float, bytes, int]]) -> int:
+        """Replace the index with a scan's result (keeping what changed meanwhile)."""
+        with self._lock:
+            index: OrderedDict[bytes, int] = OrderedDict()
+            removed = self._scan_removed
+            for _mtime, key, acct in found:
+                if key not in removed:
+                    index[key] = acct
+            for key in self._scan_added:
+                acct_now = self._index.get(key)
+                if acct_now is not None:
+                    index[key] = acct_now
+                    index.move_to_end(key)
+            self._index = index
+            self._indexed_bytes = sum(index.values())
+            self._scanning = False
+            self._scan_added = {}
+            self._scan_removed = set()
+            victims, _ = self._evict_locked(0)
+        self._remove_victims(victims)
+        return len(self._index)
+
+    def rescan(self) -> int:
+        """Re-read the directory now (other engines' stores and removals); returns blocks."""
+        self._check_open()
+        with self._lock:
+            if self._scanning:
+                return len(self._index)
+            self._scanning = True
+            self._last_scan = time.monotonic()
+        try:
+            found = self._scan()
+        except BaseException:
+            with self._lock:
+                self._scanning = False
+            raise
+        return self._load_scan(found)
+
+    # ------------------------------------------------------------------ index
+    def _insert_locked(self, key: bytes, acct: int) -> None:
+        old = self._index.get(key)
+        if old is not None:
+            self._indexed_bytes -= old
+        self._index[key] = acct
+        self._index.move_to_end(key)
+        self._indexed_bytes += acct
+        if self._scanning:
+            self._scan_added[key] = None
+            self._scan_removed.discard(key)
+
+    def _forget_locked(self, key: bytes) -> bool:
+        acct = self._index.pop(key, None)
+        if self._scanning:
+            self._scan_removed.add(key)
+            self._scan_added.pop(key, None)
+        if acct is None:
+            return False
+        self._indexed_bytes -= acct
+        return True
+
+    def _evict_locked(self, need: int, free_deficit: int = 0) -> tuple[list[bytes], int]:
+        """Pop LRU keys until ``need`` more bytes fit and ``free_deficit`` bytes are
+        freed; returns the victims (to unlink outside the lock) and bytes freed."""
+        victims: list[bytes] = []
+        freed = 0
+        index = self._index
+        while index and (
+            self._indexed_bytes + self._pending_bytes + need > self.capacity_bytes
+            or freed < free_deficit
+        ):
+            key, acct = index.popitem(last=False)
+            self._indexed_bytes -= acct
+            freed += acct
+            victims.append(key)
+            if self._scanning:
+                self._scan_removed.add(key)
+                self._scan_added.pop(key, None)
+        return victims, freed
+
+    def _remove_victims(self, victims: list[bytes]) -> None:
+        if not victims:
+            return
+        for key in victims:
+            _unlink_quietly(self._file(key))
+        self._counters.add("evictions", len(victims))
+        self._events.emit("removed", victims, "evicted")
+
+    # ------------------------------------------------------------------ reads
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        """Whether each key is stored; keys not in this process's index cost one
+        ``stat`` (blocks stored by other engines sharing the directory)."""
+        self._check_open()
+        keys = check_batch(keys)
+        with self._lock:
+            out = [k in self._index for k in keys]
+        for i, key in enumerate(keys):
+            if out[i] or len(key) > MAX_DISK_KEY_BYTES:
+                continue
+            try:
+                st = os.stat(self._file(key), follow_symlinks=False)
+            except OSError:
+                continue
+            if stat.S_ISREG(st.st_mode):
+                out[i] = True
+                self._adopt(key, st.st_size)
+        return out
+
+    def _adopt(self, key: bytes, size: int) -> None:
+        """Index a block another engine wrote."""
+        with self._lock:
+            if key in self._index or key in self._pending:
+                return
+            self._insert_locked(key, _alloc(size))
+            victims, _ = self._evict_locked(0)
+        self._counters.add("discovered")
+        self._remove_victims(victims)
+
+    def get_into(self, keys: Sequence[bytes], buffers: Sequence[BytesLike]) -> list[int | None]:
+        self._check_open()
+        keys = check_batch(keys)
+        check_buffers(keys, buffers)
+        views = [blockfile.byte_view(b, writable=True) for b in buffers]
+        return [self._read(key, view)[0] for key, view in zip(keys, views, strict=True)]
+
+    def get(self, keys: Sequence[bytes]) -> list[memoryview | None]:
+        self._check_open()
+        keys = check_batch(keys)
+        return [self._read(key, None)[1] for key in keys]
+
+    def _read(self, key: bytes, dest: memoryview | None) -> tuple[int | None, memoryview | None]:
+        if len(key) > MAX_DISK_KEY_BYTES:
+            self._counters.add("misses")
+            return None, None
+        path = self._file(key)
+        try:
+            fd = os.open(path, _O_READ)
+        except FileNotFoundError:
+            return self._miss(key, gone=True)
+        except OSError as exc:
+            self._counters.add("errors")
+            self._warn.warning("kvtier disk tier: cannot open %s: %s", path, exc)
+            return self._miss(key)
+        try:
+            st = os.fstat(fd)
+            hsize = blockfile.header_size(self._ns, key)
+            n = st.st_size - hsize
+            if n < 0:
+                raise CorruptBlockError("truncated", f"{st.st_size} bytes")
+            if n > (self.max_block_bytes or self.capacity_bytes):
+                raise CorruptBlockError("oversized", f"{n} bytes")
+            if dest is None:
+                target = memoryview(bytearray(n))
+            elif n > dest.nbytes:
+                raise CorruptBlockError(
+                    "payload larger than buffer", f"{n} > {dest.nbytes} bytes"
+                )
+            else:
+                target = dest[:n]
+            head = bytearray(hsize)
+            got = _pread_full(fd, [memoryview(head), target], 0)
+            if got != st.st_size:
+                raise CorruptBlockError("truncated", f"read {got} of {st.st_size} bytes")
+            header = blockfile.unpack_header(head, namespace=self._ns, key=key)
+            blockfile.verify(header, target)
+            if self.touch_on_hit:
+                with contextlib.suppress(OSError):
+                    os.utime(fd)
+        except CorruptBlockError as exc:
+            self._corrupt(key, path, fd, exc)
+            return None, None
+        except OSError as exc:
+            self._counters.add("errors")
+            self._warn.warning("kvtier disk tier: cannot read %s: %s", path, exc)
+            return self._miss(key)
+        finally:
+            os.close(fd)
+        with self._lock:
+            if key in self._index:
+                self._index.move_to_end(key)
+                adopted = False
+            else:
+                adopted = key not in self._pending
+                if adopted:
+                    self._insert_locked(key, _alloc(st.st_size))
+            victims = self._evict_locked(0)[0] if adopted else []
+        self._counters.add("hits")
+        if adopted:
+            self._counters.add("discovered")
+            self._remove_victims(victims)
+        return n, target
+
+    def _miss(self, key: bytes, gone: bool = False) -> tuple[None, None]:
+        if gone:
+            with self._lock:
+                forgot = self._forget_locked(key)
+            if forgot:  # removed by another engine sharing the directory
+                self._events.emit("removed", [key], "gone")
+        self._counters.add("misses")
+        return None, None
+
+    def _corrupt(self, key: bytes, path: str, fd: int, exc: CorruptBlockError) -> None:
+        """Remove the bad file (unless another engine replaced it meanwhile)."""
+        try:
+            mine = os.fstat(fd)
+            now = os.stat(path, follow_symlinks=False)
+            if (mine.st_dev, mine.st_ino) == (now.st_dev, now.st_ino):
+                _unlink_quietly(path)
+        except OSError:
+            pass
+        with self._lock:
+            self._forget_locked(key)
+        self._counters.add("corrupt")
+        self._counters.add("misses")
+        self._events.emit("corrupt", [key], exc.reason)
+        self._warn.warning("kvtier disk tier: removed %s: %s", path, exc)
+
+    # ------------------------------------------------------------------ writes
+    def put(self, items: Sequence[tuple[bytes, BytesLike]]) -> list[bool]:
+        """Store blocks; see the module docstring for capacity and free space."""
+        self._check_open()
+        if isinstance(items, (bytes, str)):
+            raise TypeError("items must be a sequence of (key, payload) pairs")
+        pairs = list(items)
+        keys = check_batch([k for k, _ in pairs])
+        views = [blockfile.byte_view(p) for _, p in pairs]
+        for key, view in zip(keys, views, strict=True):
+            self._check_key(key)
+            if self.max_block_bytes is not None and view.nbytes > self.max_block_bytes:
+                raise ValueError(
+                    f"payload of {view.nbytes} bytes exceeds the disk tier's "
+                    f"max_block_bytes={self.max_block_bytes}"
+                )
+        if (
+            self.rescan_interval_s is not None
+            and time.monotonic() - self._last_scan >= self.rescan_interval_s
+        ):
+            try:
+                self.rescan()
+            except OSError as exc:
+                self._counters.add("errors")
+                self._warn.warning("kvtier disk tier: cannot rescan %s: %s", self.root, exc)
+        stored: list[bytes] = []
+        out = []
+        for key, view in zip(keys, views, strict=True):
+            ok = self._put_one(key, view)
+            out.append(ok)
+            if ok is True:
+                stored.append(key)
+        self._events.emit("stored", stored)
+        return [ok is not False for ok in out]
+
+    def _put_one(self, key: bytes, view: memoryview) -> bool | None:
+        """True: written; None: already there (or being written); False: dropped."""
+        path = self._file(key)
+        size = blockfile.header_size(self._ns, key) + view.nbytes
+        acct = _alloc(size)
+        with self._lock:
+            known = key in self._index
+            busy = key in self._pending
+        if busy or (known and os.path.exists(path)):
+            self._counters.add("duplicates")
+            return None
+        if acct > self.capacity_bytes:
+            self._counters.add("dropped_stores")
+            return False
+        try:
+            deficit = self.free_reserve_bytes + acct - self._free_space(str(self.root))
+        except OSError as exc:
+            self._counters.add("errors")
+            self._warn.warning("kvtier disk tier: cannot read free space of %s: %s",
+                               self.root, exc)
+            deficit = 0
+        with self._lock:
+            if key in self._pending or (key in self._index and not known):
+                self._counters.add("duplicates")  # another thread stored it meanwhile
+                return None
+            self._forget_locked(key)  # known but its file is gone: rewrite it
+            victims: list[bytes] = []
+            fits = self._pending_bytes + acct <= self.capacity_bytes
+            if fits:
+                victims, freed = self._evict_locked(acct, max(deficit, 0))
+                fits = freed >= deficit and (
+                    self._indexed_bytes + self._pending_bytes + acct <= self.capacity_bytes
+                )
+            if fits:
+                self._pending[key] = acct
+                self._pending_bytes += acct
+        self._remove_victims(victims)
+        if not fits:
+            self._counters.add("dropped_stores")
+            if deficit > 0:
+                self._counters.add("no_space")
+            return False
+        ok = self._write(key, path, view)
+        with self._lock:
+            self._pending.pop(key, None)
+            self._pending_bytes -= acct
+            if ok:
+                self._insert_locked(key, acct)
+        if ok:
+            self._counters.add("stores")
+        return ok
+
+    def _write(self, key: bytes, path: str, view: memoryview) -> bool:
+        header = blockfile.pack_header(self._ns, key, view)
+        tmp = (
+            f"{self._subdir(key)}/.{key.hex()[:32]}.{os.getpid()}."
+            f"{next(self._tmp_serial)}{TMP_SUFFIX}"
+        )
+        try:
+            try:
+                fd = os.open(tmp, _O_WRITE, 0o600)
+            except FileNotFoundError:  # the directory was removed under us: recreate it
+                self._remake_dirs()
+                fd = os.open(tmp, _O_WRITE, 0o600)
+            try:
+                _write_full(fd, [memoryview(header), view])
+                if self.fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.rename(tmp, path)
+        except OSError as exc:
+            _unlink_quietly(tmp)
+            self._counters.add("dropped_stores")
+            if exc.errno in _NO_SPACE:
+                self._counters.add("no_space")
+                logger.info("kvtier disk tier: no space for %s: store dropped", path)
+            else:
+                self._counters.add("errors")
+                self._warn.warning("kvtier disk tier: cannot write %s: %s", path, exc)
+            return False
+        return True
+
+    def delete(self, keys: Sequence[bytes]) -> int:
+        self._check_open()
+        keys = check_batch(keys)
+        removed = []
+        for key in keys:
+            if len(key) > MAX_DISK_KEY_BYTES:
+                continue
+            with self._lock:
+                self._forget_locked(key)
+            if _unlink_quietly(self._file(key)):
+                removed.append(key)
+        self._events.emit("removed", removed, "deleted")
+        return len(removed)
+
+    # ------------------------------------------------------------------ status
+    def stats(self) -> dict[str, int | float | str]:
+        out: dict[str, int | float | str] = dict(self._counters.snapshot())
+        with self._lock:
+            out["blocks"] = len(self._index)
+            out["used_bytes"] = self._indexed_bytes
+            out["pending_bytes"] = self._pending_bytes
+        out["capacity_bytes"] = self.capacity_bytes
+        out["free_reserve_bytes"] = self.free_reserve_bytes
+        out["rebuild_s"] = round(self.rebuild_s, 6)
+        out["events_dropped"] = self._events.dropped
+        return out
+
+    def take_events(self) -> list[TierEvent]:
+        return self._events.take()
+
+    def indexed_keys(self) -> list[bytes]:
+        """Keys in this process's index, least recently used first."""
+        with self._lock:
+            return list(self._index)
+
+    def close(self) -> None:
+        """Stop serving; the files stay for the next engine (warm restart)."""
+        self._closed = True
+
+    def __repr__(self) -> str:
+        return (
+            f"DiskTier({str(self.path)!r}, namespace={self.namespace!r}, "
+            f"capacity_bytes={self.capacity_bytes})"
+        )
+
+
+def _int_setting(name: str, value: object, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise TierConfigError(f"disk tier: {name} must be an int >= {low}, got {value!r}")
+    return value
+
+
+def _seconds(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise TierConfigError(f"disk tier: {name} must be a number of seconds > 0, got {value!r}")
+    return float(value)

@@ -1,0 +1,580 @@
+"""The Redis/Valkey tier: checksummed values under namespaced keys.
+
+Each block is one string value, ``blockfile`` header + payload, stored under
+``<key_prefix>:<namespace>:<block key bytes>``; reads check the header and the
+checksum, and a bad value is a miss, deleted, counted (``corrupt``) and
+reported (event). All batch calls are pipelined (one round trip per batch of up
+to ``max_batch_keys`` keys / ``max_batch_bytes`` bytes, which also bounds the
+memory a call holds).
+
+URLs: ``redis://[[user]:password@]host:port/db``, ``rediss://`` (TLS; options
+such as ``?ssl_cert_reqs=required&ssl_ca_certs=/path/ca.pem`` in the query or in
+``client_options``), ``unix:///path.sock``, and ``redis+cluster://host:port`` /
+``rediss+cluster://`` (or ``cluster=True``) for Redis Cluster through redis-py's
+cluster client (keys spread over all shards). The password comes from the URL
+or, when the URL has none, from the environment variable named by
+``password_env`` (default ``KVTIER_REDIS_PASSWORD``). It is never logged:
+logs, errors and ``repr`` show the URL with the password replaced by ``***``.
+
+Capacity: the server's. Give it ``maxmemory`` and ``maxmemory-policy
+allkeys-lru`` (or ``volatile-lru`` when ``ttl_s`` is set, so only kvtier's keys
+are evicted): the server then evicts the least recently used blocks. Under
+``noeviction`` a full server refuses SETs (OOM): those stores are dropped and
+counted, the tier keeps serving reads. ``ttl_s`` gives every value an expiry.
+
+Failures: every call has ``socket_timeout_s`` (and ``connect_timeout_s``), and
+redis-py's own retries are off. Transport failures (connection refused or
+reset, timeouts, auth failures, cluster down) feed a :class:`CircuitBreaker`:
+after ``failure_threshold`` in a row it opens; while open the tier reports
+misses and drops stores without touching the network; after
+``reset_timeout_s`` (doubling per failed probe up to ``max_reset_timeout_s``)
+one call probes the server and closes the breaker when it succeeds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+import redis
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisClusterException, RedisError, ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.retry import Retry
+
+from kvtier.tiers import blockfile
+from kvtier.tiers.base import (
+    Counters,
+    Tier,
+    TierConfigError,
+    TierEvent,
+    TierEventLog,
+    TierUnavailableError,
+    WarningLimiter,
+    check_batch,
+    check_buffers,
+)
+from kvtier.tiers.blockfile import BytesLike, CorruptBlockError
+from kvtier.tiers.breaker import BreakerState, CircuitBreaker
+from kvtier.tiers.namespace import check_namespace
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_PASSWORD_ENV = "KVTIER_REDIS_PASSWORD"
+SCHEMES = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster")
+_TRANSPORT_ERRORS: tuple[type[BaseException], ...] = (
+    RedisConnectionError,  # includes authentication and busy-loading errors
+    RedisTimeoutError,
+    RedisClusterException,
+    OSError,
+)
+_SECRET_QUERY = ("password", "pass", "passwd")
+T = TypeVar("T")
+
+
+class _Failed:
+    """The result of a call that did not reach the server (or was refused)."""
+
+
+FAILED = _Failed()
+
+
+def redact_url(url: str) -> str:
+    """``url`` with any password (userinfo or query) replaced by ``***``."""
+    try:
+        parts = urlsplit(url)
+        netloc = parts.netloc
+        if parts.password is not None:
+            user = parts.username or ""
+            host = netloc.rpartition("@")[2]
+            netloc = f"{user}:***@{host}"
+        query = parts.query
+        if query:
+            pairs = parse_qsl(query, keep_blank_values=True)
+            query = urlencode(
+                [(k, "***" if k.lower() in _SECRET_QUERY else v) for k, v in pairs], safe="*/"
+            )
+        return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+    except ValueError:
+        return "<unparsable redis url>"
+
+
+class RedisTier(Tier):
+    """Blocks in Redis/Valkey (see the module docstring).
+
+    Parameters:
+        url: server URL (``redis_url``).
+        namespace: from ``KVLayout(...).namespace(tenant_salt)``.
+        password_env: environment variable holding the password when the URL
+            has none (None: never read the environment).
+        cluster: use the cluster client; None: when the scheme ends in ``+cluster``.
+        ttl_s: expiry of every value (None: none; rely on ``maxmemory-policy``).
+        socket_timeout_s / connect_timeout_s: per-operation limits.
+        max_batch_keys / max_batch_bytes: one pipeline's keys and payload bytes;
+            a call holds at most one batch of values in memory.
+        max_block_bytes: largest payload accepted (``put`` raises beyond it).
+        failure_threshold / reset_timeout_s / max_reset_timeout_s: the breaker.
+        key_prefix: first part of every Redis key.
+        client_options: further keyword arguments for redis-py's client
+            (``ssl_ca_certs``, ``ssl_certfile``, ``ssl_keyfile``,
+            ``ssl_cert_reqs``, ``max_connections``...).
+    """
+
+    name = "redis"
+
+    def __init__(
+        self,
+        url: str,
+        namespace: str,
+        *,
+        password_env: str | None = DEFAULT_PASSWORD_ENV,
+        cluster: bool | None = None,
+        ttl_s: float | None = None,
+        socket_timeout_s: float = 2.0,
+        connect_timeout_s: float = 1.0,
+        max_batch_keys: int = 32,
+        max_batch_bytes: int = 64 << 20,
+        max_block_bytes: int | None = None,
+        failure_threshold: int = 3,
+        reset_timeout_s: float = 1.0,
+        max_reset_timeout_s: float = 30.0,
+        key_prefix: str = "kvtier",
+        enable_events: bool = False,
+        max_events: int = 10_000,
+        client_options: Mapping[str, Any] | None = None,
+    ) -> None:
+        if not isinstance(url, str) or not url:
+            raise TierConfigError(f"redis_url must be a non-empty str, got {type(url).__name__}")
+        self.safe_url = redact_url(url)
+        scheme = url.partition("://")[0].lower() if "://" in url else ""
+        if scheme not in SCHEMES:
+            raise TierConfigError(
+                f"redis_url {self.safe_url!r}: scheme must be one of {list(SCHEMES)}"
+            )
+        try:
+            self.namespace = check_namespace(namespace)
+        except (TypeError, ValueError) as exc:
+            raise TierConfigError(f"redis tier: {exc}") from None
+        if not isinstance(key_prefix, str) or not key_prefix or ":" in key_prefix:
+            raise TierConfigError(f"key_prefix must be a non-empty str without ':', got "
+                                  f"{key_prefix!r}")
+        self.cluster = scheme.endswith("+cluster") if cluster is None else bool(cluster)
+        self.ttl_ms = None if ttl_s is None else max(1, int(_seconds("ttl_s", ttl_s) * 1000))
+        self.socket_timeout_s = _seconds("socket_timeout_s", socket_timeout_s)
+        self.connect_timeout_s = _seconds("connect_timeout_s", connect_timeout_s)
+        self.max_batch_keys = _int_setting("max_batch_keys", max_batch_keys, 1)
+        self.max_batch_bytes = _int_setting("max_batch_bytes", max_batch_bytes, 1)
+        self.max_block_bytes = (
+            None if max_block_bytes is None
+            else _int_setting("max_block_bytes", max_block_bytes, 1)
+        )
+        self._prefix = f"{key_prefix}:{self.namespace}:".encode()
+        self._ns = self.namespace.encode()
+        self._url = url.replace("+cluster://", "://", 1) if "+cluster://" in url else url
+        self._options: dict[str, Any] = dict(client_options or {})
+        if password_env is not None and urlsplit(self._url).password is None:
+            secret = os.environ.get(password_env)
+            if secret and "password" not in self._options:
+                self._options["password"] = secret
+        self._client_obj: Any = None
+        self._warn = WarningLimiter(logger)
+        self._client_lock = threading.Lock()
+        self._counters = Counters("rejected")
+        self._events = TierEventLog(self.name, enable_events, max_events)
+        self._breaker = CircuitBreaker(
+            failure_threshold, reset_timeout_s, max_reset_timeout_s, on_change=self._on_breaker
+        )
+        self._closed = False
+        if not self.cluster:
+            self._client()  # parses the URL now (no connection yet): bad URLs fail here
+
+    # ------------------------------------------------------------------ client
+    def _client(self) -> Any:
+        if self._client_obj is not None:
+            return self._client_obj
+        with self._client_lock:
+            if self._client_obj is not None:
+                return self._client_obj
+            kwargs: dict[str, Any] = {
+                "socket_timeout": self.socket_timeout_s,
+                "socket_connect_timeout": self.connect_timeout_s,
+                "retry": Retry(NoBackoff(), 0),
+                "health_check_interval": 0,
+            }
+            kwargs.update(self._options)
+            try:
+                if self.cluster:
+                    from redis.cluster import RedisCluster
+
+                    self._client_obj = RedisCluster.from_url(self._url, **kwargs)
+                else:
+                    self._client_obj = redis.Redis.from_url(self._url, **kwargs)
+            except (ValueError, TypeError) as exc:
+                raise TierConfigError(
+                    f"redis_url {self.safe_url!r}: {str(exc).replace(self._url, self.safe_url)}"
+                ) from None
+            return self._client_obj
+
+    def _rkey(self, key: bytes) -> bytes:
+        return self._prefix + key
+
+    def _on_breaker(self, state: BreakerState) -> None:
+        if state == "open":
+            logger.warning(
+                "kvtier redis tier %s: circuit breaker open after %d failures; serving "
+                "misses and dropping stores until a probe succeeds", self.safe_url,
+                self._breaker.failure_threshold,
+            )
+            self._events.emit("breaker_open", (), self.safe_url)
+        else:
+            logger.warning("kvtier redis tier %s: reachable again, breaker closed",
+                           self.safe_url)
+            self._events.emit("breaker_closed", (), self.safe_url)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError(f"redis tier {self.safe_url} is closed")
+
+    def _run(self, fn: Callable[[Any], T]) -> T | _Failed:
+        """Run ``fn(client)`` through the breaker; FAILED if refused or it failed."""
+        self._check_open()
+        if not self._breaker.allow():
+            self._counters.add("rejected")
+            return FAILED
+        try:
+            result = fn(self._client())
+        except TierConfigError:
+            self._breaker.record_success()
+            raise
+        except _TRANSPORT_ERRORS as exc:
+            self._breaker.record_failure()
+            self._counters.add("errors")
+            self._drop_idle_connections()
+            logger.debug("kvtier redis tier %s: %s: %s", self.safe_url,
+                         type(exc).__name__, exc)
+            return FAILED
+        except RedisError as exc:
+            self._breaker.record_success()  # the server answered
+            self._counters.add("errors")
+            self._warn.warning("kvtier redis tier %s: %s: %s", self.safe_url,
+                           type(exc).__name__, exc)
+            return FAILED
+        self._breaker.record_success()
+        return result
+
+    def _drop_idle_connections(self) -> None:
+        """After a transport failure, pooled connections are likely dead too: close
+        them, so the next call (the breaker's probe) connects afresh."""
+        client = self._client_obj
+        if client is None:
+            return
+        with contextlib.suppress(Exception):
+            if self.cluster:
+                client.disconnect_connection_pools()
+            else:
+                client.connection_pool.disconnect(inuse_connections=False)
+
+    @property
+    def available(self) -> bool:
+        return self._breaker.ready()
+
+    @property
+    def breaker(self) -> CircuitBreaker:
+        return self._breaker
+
+    # ------------------------------------------------------------------ reads
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        self._check_open()
+        keys = check_batch(keys)
+        out: list[bool] = []
+        for start in range(0, len(keys), self.max_batch_keys):
+            chunk = keys[start : start + self.max_batch_keys]
+
+            def exists(client: Any, chunk: list[bytes] = chunk) -> list[Any]:
+                pipe = client.pipeline(transaction=False)
+                for key in chunk:
+                    pipe.exists(self._rkey(key))
+                return list(pipe.execute(raise_on_error=False))
+
+            res = self._run(exists)
+            if isinstance(res, _Failed):
+                out.extend([False] * len(chunk))
+            else:
+                out.extend(isinstance(r, int) and r > 0 for r in res)
+        return out
+
+    def get_into(self, keys: Sequence[bytes], buffers: Sequence[BytesLike]) -> list[int | None]:
+        self._check_open()
+        keys = check_batch(keys)
+        check_buffers(keys, buffers)
+        views: list[memoryview | None] = [
+            blockfile.byte_view(b, writable=True) for b in buffers
+        ]
+        return [n for n, _ in self._get(keys, views)]
+
+    def get(self, keys: Sequence[bytes]) -> list[memoryview | None]:
+        self._check_open()
+        keys = check_batch(keys)
+        return [v for _, v in self._get(keys, [None] * len(keys))]
+
+    def _get(
+        self, keys: list[bytes], dests: list[memoryview | None]
+    ) -> list[tuple[int | None, memoryview | None]]:
+        out: list[tuple[int | None, memoryview | None]] = []
+        for start in range(0, len(keys), self.max_batch_keys):
+            chunk = keys[start : start + self.max_batch_keys]
+
+            def fetch(client: Any, chunk: list[bytes] = chunk) -> list[Any]:
+                pipe = client.pipeline(transaction=False)
+                for key in chunk:
+                    pipe.get(self._rkey(key))
+                return list(pipe.execute(raise_on_error=False))
+
+            values = self._run(fetch)
+            if isinstance(values, _Failed):
+                self._counters.add("misses", len(chunk))
+                out.extend([(None, None)] * len(chunk))
+                continue
+            corrupt: list[tuple[bytes, str]] = []
+            hits = 0
+            for i, (key, value) in enumerate(zip(chunk, values, strict=True)):
+                result = self._accept(key, value, dests[start + i], corrupt)
+                hits += result[0] is not None
+                out.append(result)
+            del values
+            self._counters.add("hits", hits)
+            self._counters.add("misses", len(chunk) - hits)
+            if corrupt:
+                self._drop_corrupt(corrupt)
+        return out
+
+    def _accept(
+        self, key: bytes, value: Any, dest: memoryview | None,
+        corrupt: list[tuple[bytes, str]],
+    ) -> tuple[int | None, memoryview | None]:
+        if value is None:
+            return None, None
+        if isinstance(value, BaseException):
+            self._counters.add("errors")
+            self._warn.warning("kvtier redis tier %s: GET failed: %s", self.safe_url,
+                               value)
+            return None, None
+        try:
+            payload = blockfile.decode(value, self._ns, key)
+            n = payload.nbytes
+            if dest is None:
+                return n, payload
+            if n > dest.nbytes:
+                raise CorruptBlockError("payload larger than buffer", f"{n} > {dest.nbytes}")
+        except CorruptBlockError as exc:
+            corrupt.append((key, exc.reason))
+            return None, None
+        dest[:n] = payload
+        return n, dest[:n]
+
+    def _drop_corrupt(self, corrupt: list[tuple[bytes, str]]) -> None:
+        keys = [k for k, _ in corrupt]
+
+        def delete(client: Any) -> None:
+            pipe = client.pipeline(transaction=False)
+            for key in keys:
+                pipe.delete(self._rkey(key))
+            pipe.execute(raise_on_error=False)
+
+        self._run(delete)
+        self._counters.add("corrupt", len(keys))
+        for key, reason in corrupt:
+            self._events.emit("corrupt", [key], reason)
+            self._warn.warning("kvtier redis tier %s: removed corrupt value of key %s: %s",
+                           self.safe_url, key.hex(), reason)
+
+    # ------------------------------------------------------------------ writes
+    def put(self, items: Sequence[tuple[bytes, BytesLike]]) -> list[bool]:
+        """Store blocks (SET, or SET PX ``ttl_s``), one pipeline per batch."""
+        self._check_open()
+        if isinstance(items, (bytes, str)):
+            raise TypeError("items must be a sequence of (key, payload) pairs")
+        pairs = list(items)
+        keys = check_batch([k for k, _ in pairs])
+        views = [blockfile.byte_view(p) for _, p in pairs]
+        if self.max_block_bytes is not None:
+            for view in views:
+                if view.nbytes > self.max_block_bytes:
+                    raise ValueError(
+                        f"payload of {view.nbytes} bytes exceeds the redis tier's "
+                        f"max_block_bytes={self.max_block_bytes}"
+                    )
+        out: list[bool] = []
+        stored: list[bytes] = []
+        start = 0
+        while start < len(keys):
+            end, size = start, 0
+            while end < len(keys) and end - start < self.max_batch_keys and (
+                end == start or size + views[end].nbytes <= self.max_batch_bytes
+            ):
+                size += views[end].nbytes
+                end += 1
+            chunk = keys[start:end]
+            results = self._set_batch(chunk, views[start:end])
+            for key, ok in zip(chunk, results, strict=True):
+                out.append(ok)
+                if ok:
+                    stored.append(key)
+            start = end
+        ok_count = len(stored)
+        self._counters.add("stores", ok_count)
+        self._counters.add("dropped_stores", len(keys) - ok_count)
+        self._events.emit("stored", stored)
+        return out
+
+    def _set_batch(self, keys: list[bytes], views: list[memoryview]) -> list[bool]:
+        if not self._breaker.ready():
+            self._counters.add("rejected")
+            return [False] * len(keys)
+        res = self._run(lambda client: self._store(client, keys, views))
+        if isinstance(res, _Failed):
+            return [False] * len(keys)
+        out = []
+        for r in res:
+            if isinstance(r, BaseException):
+                self._counters.add("errors")
+                if not isinstance(r, ResponseError) or "OOM" not in str(r):
+                    self._warn.warning("kvtier redis tier %s: SET failed: %s",
+                                       self.safe_url, r)
+                out.append(False)
+            else:
+                out.append(bool(r))
+        return out
+
+    def _store(self, client: Any, keys: list[bytes], views: list[memoryview]) -> list[Any]:
+        """SET each value; replies (or ResponseError instances) in key order."""
+        if self.cluster:  # redis-py's cluster pipeline routes each key to its shard
+            pipe = client.pipeline(transaction=False)
+            for key, view in zip(keys, views, strict=True):
+                pipe.set(self._rkey(key), blockfile.encode(self._ns, key, view), px=self.ttl_ms)
+            return list(pipe.execute(raise_on_error=False))
+        # One connection, one pipelined send: the header and the caller's buffer go
+        # to the socket as they are (no concatenated copy of the payload).
+        pool = client.connection_pool
+        conn = pool.get_connection()
+        try:
+            chunks: list[Any] = []
+            tail = b""
+            for key, view in zip(keys, views, strict=True):
+                header = blockfile.pack_header(self._ns, key, view)
+                chunks.append(tail + self._set_prefix(key, len(header) + view.nbytes) + header)
+                chunks.append(view)
+                tail = self._set_suffix
+            chunks.append(tail)
+            conn.send_packed_command(chunks)
+            replies: list[Any] = []
+            for _ in keys:
+                try:
+                    replies.append(conn.read_response())
+                except ResponseError as exc:  # e.g. OOM under maxmemory noeviction
+                    replies.append(exc)
+            return replies
+        except BaseException:
+            conn.disconnect()
+            raise
+        finally:
+            pool.release(conn)
+
+    def _set_prefix(self, key: bytes, value_len: int) -> bytes:
+        rkey = self._rkey(key)
+        nargs = 3 if self.ttl_ms is None else 5
+        return b"*%d\r\n$3\r\nSET\r\n$%d\r\n%b\r\n$%d\r\n" % (
+            nargs, len(rkey), rkey, value_len,
+        )
+
+    @property
+    def _set_suffix(self) -> bytes:
+        if self.ttl_ms is None:
+            return b"\r\n"
+        ms = str(self.ttl_ms).encode()
+        return b"\r\n$2\r\nPX\r\n$%d\r\n%b\r\n" % (len(ms), ms)
+
+    def delete(self, keys: Sequence[bytes]) -> int:
+        self._check_open()
+        keys = check_batch(keys)
+
+        def delete(client: Any) -> list[Any]:
+            pipe = client.pipeline(transaction=False)
+            for key in keys:
+                pipe.delete(self._rkey(key))
+            return list(pipe.execute(raise_on_error=False))
+
+        res = self._run(delete) if keys else []
+        if isinstance(res, _Failed):
+            return 0
+        removed = [k for k, r in zip(keys, res, strict=True) if isinstance(r, int) and r > 0]
+        self._events.emit("removed", removed, "deleted")
+        return len(removed)
+
+    # ------------------------------------------------------------------ status
+    def check(self) -> dict[str, Any]:
+        """PING the server now (bypassing the breaker) and describe it.
+
+        Returns ``redis_version``, ``maxmemory`` and ``maxmemory_policy`` where the
+        server tells them. Raises :class:`TierUnavailableError` (URL redacted).
+        """
+        try:
+            client = self._client()
+            client.ping()
+        except (RedisError, RedisClusterException, OSError) as exc:
+            raise TierUnavailableError(
+                f"redis tier {self.safe_url}: {type(exc).__name__}: {exc}"
+            ) from None
+        info: dict[str, Any] = {}
+        try:
+            raw = client.info("memory")
+            if self.cluster and raw and all(isinstance(v, dict) for v in raw.values()):
+                raw = next(iter(raw.values()))
+            info["maxmemory"] = int(raw.get("maxmemory", 0))
+            info["maxmemory_policy"] = raw.get("maxmemory_policy", "")
+            server = client.info("server")
+            if self.cluster and server and all(isinstance(v, dict) for v in server.values()):
+                server = next(iter(server.values()))
+            info["redis_version"] = server.get("redis_version", "")
+        except (RedisError, RedisClusterException, OSError):
+            pass
+        return info
+
+    def stats(self) -> dict[str, int | float | str]:
+        out: dict[str, int | float | str] = dict(self._counters.snapshot())
+        out["breaker_state"] = self._breaker.state
+        out["breaker_opens"] = self._breaker.opens
+        out["events_dropped"] = self._events.dropped
+        return out
+
+    def take_events(self) -> list[TierEvent]:
+        return self._events.take()
+
+    def close(self) -> None:
+        self._closed = True
+        client, self._client_obj = self._client_obj, None
+        if client is not None:
+            with contextlib.suppress(RedisError, OSError):
+                client.close()
+
+    def __repr__(self) -> str:
+        return f"RedisTier({self.safe_url!r}, namespace={self.namespace!r})"
+
+
+def _int_setting(name: str, value: object, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise TierConfigError(f"redis tier: {name} must be an int >= {low}, got {value!r}")
+    return value
+
+
+def _seconds(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise TierConfigError(f"redis tier: {name} must be a number of seconds > 0, got "
+                              f"{value!r}")
+    return float(value)
