@@ -21,7 +21,9 @@ class LeaseTable:
     their last lease grant (so expired holders are at the front), and the total
     count of leases. Bounds: at most ``per_request`` leases per request and
     ``total`` in all; a holder's leases lapse ``timeout_s`` seconds after its
-    last grant. The blocks' own lease counts are the manager's.
+    last grant. The per-request bound counts a request's leases; the total bound
+    counts distinct leased blocks (the manager's lease counts), so requests
+    sharing a prefix hold no more of the cache than one of them.
     """
 
     __slots__ = ("per_request", "total", "timeout_s", "held", "_holders")
@@ -41,9 +43,9 @@ class LeaseTable:
         self.held = 0
         self._holders: OrderedDict[RequestContext, None] = OrderedDict()
 
-    def budget(self, ctx: RequestContext) -> int:
-        """How many more leases ``ctx`` may take now."""
-        return min(self.per_request - len(ctx.leased), self.total - self.held)
+    def budgets(self, ctx: RequestContext, leased_blocks: int) -> tuple[int, int]:
+        """(leases ``ctx`` may still take, blocks that may still become leased)."""
+        return self.per_request - len(ctx.leased), self.total - leased_blocks
 
     def granted(self, ctx: RequestContext, n: int, now: float) -> None:
         """Record ``n`` new leases of ``ctx`` at time ``now``."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from kvtier.admission import AdmissionTracker
@@ -78,6 +78,11 @@ class OffloadManager:
         self._blocked = self.policy.blocked
         self._wants_reuse = self.policy.wants_reuse
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
+        # Promotions in flight (also in ``_writing``) and internal pins (also
+        # counted in ``_pins``): see ``reserve`` / ``pin_internal``.
+        self._reserved: set[bytes] = set()
+        self._internal_pins: dict[bytes, int] = {}
+        self._evict_listener: Callable[[list[bytes], list[int]], None] | None = None
         self._epoch = 0
         self._reset_counters()
 
@@ -139,7 +144,11 @@ class OffloadManager:
         return hits
 
     def _lease_run(self, keys: list[bytes], hits: int, ctx: RequestContext, now: float) -> int:
-        """Lease ``keys[:hits]`` to ``ctx`` within its budget; return the leased run."""
+        """Lease ``keys[:hits]`` to ``ctx`` within its budget; return the leased run.
+
+        The request's budget counts its leases; the cache-wide one counts
+        distinct leased blocks, so requests sharing a prefix share its cost.
+        """
         leased = ctx.leased
         run = keys[:hits]
         new = [k for k in run if k not in leased] if leased else run
@@ -147,23 +156,31 @@ class OffloadManager:
             new = list(dict.fromkeys(new))
         if not new:
             return hits
-        budget = self._leases.budget(ctx)
-        if len(new) > budget:
-            hits = self._leased_prefix(run, leased, budget)
+        mine, blocks = self._leases.budgets(ctx, len(self._lease_count))
+        counted = self._lease_count
+        over_blocks = len(new) > blocks and sum(1 for k in new if k not in counted) > blocks
+        if len(new) > mine or over_blocks:
+            hits = self._leased_prefix(run, leased, mine, blocks)
             new = list(dict.fromkeys(k for k in run[:hits] if k not in leased))
         if new:
             self._lease(new, leased)
             self._leases.granted(ctx, len(new), now)
         return hits
 
-    @staticmethod
-    def _leased_prefix(run: list[bytes], leased: set[bytes], budget: int) -> int:
-        """Length of the longest prefix of ``run`` needing at most ``budget`` new leases."""
+    def _leased_prefix(self, run: list[bytes], leased: set[bytes], mine: int, blocks: int) -> int:
+        """Longest prefix of ``run`` within ``mine`` new leases and ``blocks`` newly
+        leased blocks."""
+        counted = self._lease_count
+        seen: set[bytes] = set()
         for i, key in enumerate(run):
-            if key not in leased:
-                if budget <= 0:
-                    return i
-                budget -= 1
+            if key in leased or key in seen:
+                continue
+            fresh = key not in counted
+            if mine <= 0 or (fresh and blocks <= 0):
+                return i
+            seen.add(key)
+            mine -= 1
+            blocks -= fresh
         return len(run)
 
     def lookup_one(self, key: bytes, ctx: RequestContext) -> LookupResult:
@@ -372,7 +389,10 @@ class OffloadManager:
         if victims is None:
             return None
         slot = self._slot
-        self._free.extend([slot.pop(k) for k in victims])
+        freed = [slot.pop(k) for k in victims]
+        if self._evict_listener is not None:
+            self._evict_listener(victims, freed)
+        self._free.extend(freed)
         self.evictions += len(victims)
         self._history.record(victims)
         self._events.emit(victims, "removed")
@@ -432,6 +452,115 @@ class OffloadManager:
             remove(key)
         ctx.inserted.difference_update(keys)
 
+    # -- promotions and internal pins (the tier cascade) ----------------------
+
+    def reserve(self, keys: Iterable[bytes]) -> list[int] | None:
+        """Reserve WRITING slots for blocks promoted from a lower tier.
+
+        Like ``prepare_store`` (evicts to make room; never evicts pinned,
+        leased or write-pending blocks) but with no request: no admission, no
+        request access, no store-miss signal. Keys already resident are an
+        error (``ProtocolError``): a caller promotes only misses. Returns the
+        slots in key order, or None (nothing changed) when no room can be made.
+        Until ``complete_reserve`` the keys look up as HIT_PENDING.
+        """
+        keys = check_keys(keys)
+        unique = list(dict.fromkeys(keys))
+        resident = [k for k in unique if k in self._slot]
+        if resident:
+            raise ProtocolError(f"reserve of resident key {resident[0]!r}")
+        if not unique:
+            return []
+        evicted = self._make_room(len(unique), unique)
+        if evicted is None:
+            self.allocation_failures += 1
+            return None
+        free = self._free
+        slots = free[-len(unique):]
+        del free[-len(unique):]
+        slots.reverse()
+        self._slot.update(zip(unique, slots, strict=True))
+        self._writing.update(unique)
+        self._blocked.update(unique)
+        self.policy.insert(unique)
+        self._reserved.update(unique)
+        by_key = dict(zip(unique, slots, strict=True))
+        return [by_key[k] for k in keys]
+
+    def complete_reserve(self, keys: Iterable[bytes], success: bool = True) -> None:
+        """Finish ``reserve``: READY on success, slot freed on failure.
+
+        Keys not reserved (completed already, or reserved before a ``reset()``)
+        are ignored, so a late completion never touches a newer block.
+        """
+        keys = [k for k in dict.fromkeys(check_keys(keys)) if k in self._reserved]
+        if not keys:
+            return
+        self._reserved.difference_update(keys)
+        self._writing.difference_update(keys)
+        if success:
+            self._blocked.difference_update(keys)
+            self._events.emit(keys, "stored")
+            return
+        slot, remove = self._slot, self.policy.remove
+        self._free.extend([slot.pop(k) for k in keys])
+        self._blocked.difference_update(keys)
+        for key in keys:
+            remove(key)
+
+    def pin_internal(self, keys: Iterable[bytes]) -> list[int]:
+        """Pin READY ``keys`` for an internal reader (a lower tier's write).
+
+        Not a request access: recency, leases and counters are unchanged.
+        Raises ``MissingBlocksError`` (nothing changed) when a key is not
+        ready. Each pin is undone by one ``unpin_internal``; slots in key order.
+        """
+        keys = check_keys(keys)
+        slot, writing = self._slot, self._writing
+        missing = [k for k in keys if k not in slot or k in writing]
+        if missing:
+            raise MissingBlocksError(
+                f"pin_internal: {len(missing)} of {len(keys)} keys not ready, "
+                f"first {missing[0]!r}"
+            )
+        pins, internal = self._pins, self._internal_pins
+        for key in keys:
+            pins[key] = pins.get(key, 0) + 1
+            internal[key] = internal.get(key, 0) + 1
+        self._blocked.update(keys)
+        return [slot[k] for k in keys]
+
+    def set_eviction_listener(
+        self, listener: Callable[[list[bytes], list[int]], None] | None
+    ) -> None:
+        """Call ``listener(keys, slots)`` for each batch of blocks evicted to make
+        room (by ``prepare_store`` or ``reserve``; not by ``reset()``), while their
+        slots still hold their bytes: a slot is handed out again only after the
+        listener returns. None removes it. For the tier cascade's write-on-evict.
+        """
+        self._evict_listener = listener
+
+    def unpin_internal(self, keys: Iterable[bytes]) -> None:
+        """Undo ``pin_internal``; keys without an internal pin (e.g. after a
+        ``reset()``) are ignored."""
+        pins, internal = self._pins, self._internal_pins
+        blocked, leases = self._blocked, self._lease_count
+        for key in check_keys(keys):
+            n = internal.get(key, 0)
+            if not n:
+                continue
+            if n == 1:
+                del internal[key]
+            else:
+                internal[key] = n - 1
+            left = pins[key] - 1
+            if left:
+                pins[key] = left
+            else:
+                del pins[key]
+                if key not in leases:
+                    blocked.discard(key)
+
     # -- recency -----------------------------------------------------------
 
     def touch(self, keys: Iterable[bytes], ctx: RequestContext) -> None:
@@ -468,7 +597,10 @@ class OffloadManager:
         """
         self._events.emit([k for k in self._slot if k not in self._writing], "removed")
         self._epoch += 1
-        for table in (self._slot, self._writing, self._pins, self._lease_count):
+        for table in (
+            self._slot, self._writing, self._pins, self._lease_count,
+            self._reserved, self._internal_pins,
+        ):
             table.clear()
         self._free = list(range(self.num_blocks - 1, -1, -1))
         self.policy.clear()

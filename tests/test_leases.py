@@ -161,11 +161,16 @@ def test_per_request_default_bound() -> None:
     assert mgr.lookup(ks, request("long-prompt")) == 16_384
 
 
-def test_total_bound_counts_leases_not_keys() -> None:
-    mgr, ks = full_cache(4, max_leased_blocks=3)
-    assert mgr.lookup(ks[:2], request("r1")) == 2
-    assert mgr.lookup(ks[:2], request("r2")) == 1
-    assert mgr.debug_state()["leases_held"] == 3
+def test_total_bound_counts_blocks_so_a_shared_prefix_keeps_hitting() -> None:
+    # max_leased_blocks bounds the cache space leases can hold. Many concurrent
+    # requests sharing one prefix lease the same few blocks: that holds no more
+    # space than one of them does, so every one of them must still get its hit.
+    mgr, ks = full_cache(8)  # max_leased_blocks defaults to 4
+    prefix = ks[:2]
+    hits = [mgr.lookup(prefix, request(f"r{i}")) for i in range(6)]
+    assert hits == [2] * 6
+    assert mgr.stats()["leased"] == 2
+    assert mgr.lookup(ks[2:6], request("other")) == 2  # 2 + 2 distinct blocks: the bound
 
 
 def test_leases_lapse_after_timeout(fake_clock: FakeClock) -> None:
@@ -235,3 +240,16 @@ def test_lookup_hits_stop_at_first_not_ready_key() -> None:
     assert mgr.lookup([a, b, c, d], r) == 2
     assert mgr.stats()["leased"] == 2
     assert (mgr.stats()["hits"], mgr.stats()["misses"]) == (2, 2)
+
+
+def test_lease_outlives_another_requests_load_of_the_key() -> None:
+    mgr, ks = full_cache(2, max_leased_blocks=2)
+    r1, r2 = request("r1", ks[:1]), request("r2", ks[:1])
+    assert mgr.lookup(ks[:1], r1) == 1
+    assert mgr.lookup(ks[:1], r2) == 1
+    mgr.prepare_load(ks[:1], r2)
+    mgr.complete_load(ks[:1], r2)  # r2's pin ends; r1's lease remains
+    assert mgr.stats()["leased"] == 1
+    assert ks[0] in mgr.policy.blocked
+    assert try_store(mgr, 2, "a") is None
+    mgr.prepare_load(ks[:1], r1)

@@ -28,7 +28,7 @@ from kvtier import (
     RequestContext,
     block_key,
 )
-from kvtier.policies import ARCPolicy
+from kvtier.policies import POLICIES, ARCPolicy
 
 KEYS = [block_key(i, g) for i in range(3) for g in (0, 1)]
 POSITION = {block_key(i, g): 16 * (i + 1) for i in range(3) for g in (0, 1)}
@@ -45,14 +45,15 @@ class ManagerMachine(RuleBasedStateMachine):
     # -- setup -------------------------------------------------------------------------
 
     @initialize(
-        policy=st.sampled_from(["lru", "arc"]),
+        policy=st.sampled_from(sorted(POLICIES)),
         num_blocks=st.integers(1, 5),
-        threshold=st.integers(1, 3),
+        threshold=st.sampled_from([1, 1, 2, 3]),
         tracker_size=st.integers(1, 6),
         history_size=st.integers(0, 6),
         per_request=st.integers(1, 6),
         total=st.none() | st.integers(1, 8),
         events=st.booleans(),
+        warm=st.lists(st.tuples(req, key_lists), max_size=6),
     )
     def setup(
         self,
@@ -64,6 +65,7 @@ class ManagerMachine(RuleBasedStateMachine):
         per_request: int,
         total: int | None,
         events: bool,
+        warm: list[tuple[int, list[bytes]]],
     ) -> None:
         self.mgr = OffloadManager(
             num_blocks,
@@ -99,6 +101,9 @@ class ManagerMachine(RuleBasedStateMachine):
         self.epoch = 0
         self.counters = dict.fromkeys(COUNTERS, 0)
         self.pending_events: list[tuple[tuple[bytes, ...], str]] = []
+        for i, ks in warm:  # start from a used cache: finished requests that stored
+            self.store_and_complete(i, ks, success=True)
+            self.finish(i)
 
     @staticmethod
     def _positions(ctx: RequestContext) -> None:
@@ -117,6 +122,10 @@ class ManagerMachine(RuleBasedStateMachine):
         return self.writing | {k for k, n in self.pins.items() if n} | self._all_leased()
 
     def _budget(self, i: int) -> int:
+        """New leases ``i`` can surely get: the total bound counted per lease.
+
+        (Counted per distinct block the bound is looser: the model accepts both.)
+        """
         held = sum(map(len, self.leased))
         return min(self.per_request - len(self.leased[i]), self.total - held)
 
@@ -126,8 +135,35 @@ class ManagerMachine(RuleBasedStateMachine):
 
     # -- lookups -----------------------------------------------------------------------
 
-    @rule(i=req, ks=unique_key_lists)
-    def lookup(self, i: int, ks: list[bytes]) -> None:
+    def _ready_first(self, data: st.DataObject) -> list[bytes]:
+        """Distinct keys, often starting with ready ones (so lookups can hit)."""
+        ready = sorted(k for k in self.slot if k not in self.writing)
+        head = data.draw(st.lists(st.sampled_from(ready), unique=True)) if ready else []
+        return list(dict.fromkeys(head + data.draw(unique_key_lists)))
+
+    @rule(i=req, data=st.data(), one=st.booleans())
+    def lookup(self, i: int, data: st.DataObject, one: bool) -> None:
+        ks = self._ready_first(data)
+        if not one:
+            self._lookup(i, ks)
+            return
+        k = ks[0] if ks else KEYS[0]
+        r = self.mgr.lookup_one(k, self.ctxs[i])
+        if k in self.writing:
+            assert r is LookupResult.HIT_PENDING
+            return
+        if self._ready(k) and (k in self.leased[i] or self._budget(i) >= 1):
+            assert r is LookupResult.HIT
+        elif not self._ready(k):
+            assert r is LookupResult.MISS
+        if r is LookupResult.HIT:  # out of lease budget, a MISS is also right
+            self.leased[i].add(k)
+            self.counters["hits"] += 1
+        else:
+            assert r is LookupResult.MISS
+            self.counters["misses"] += 1
+
+    def _lookup(self, i: int, ks: list[bytes]) -> int:
         n = self.mgr.lookup(ks, self.ctxs[i])
         run = 0
         while run < len(ks) and self._ready(ks[run]):
@@ -137,25 +173,10 @@ class ManagerMachine(RuleBasedStateMachine):
             assert n == run
         else:
             assert n <= run
-        granted = [k for k in ks[:n] if k not in self.leased[i]]
-        assert len(granted) <= self._budget(i)
-        self.leased[i].update(granted)
+        self.leased[i].update(ks[:n])
         self.counters["hits"] += n
         self.counters["misses"] += len(ks) - n
-
-    @rule(i=req, k=key_st)
-    def lookup_one(self, i: int, k: bytes) -> None:
-        r = self.mgr.lookup_one(k, self.ctxs[i])
-        if k in self.writing:
-            assert r is LookupResult.HIT_PENDING
-            return
-        if self._ready(k) and (k in self.leased[i] or self._budget(i) >= 1):
-            assert r is LookupResult.HIT
-            self.leased[i].add(k)
-            self.counters["hits"] += 1
-        else:
-            assert r is LookupResult.MISS
-            self.counters["misses"] += 1
+        return n
 
     # -- loads -------------------------------------------------------------------------
 
@@ -177,30 +198,36 @@ class ManagerMachine(RuleBasedStateMachine):
             else:
                 raise AssertionError("prepare_load of a key that is not ready succeeded")
 
-    @precondition(lambda self: any(self.leased))
-    @rule(data=st.data())
-    def prepare_load_leased(self, data: st.DataObject) -> None:
-        i = data.draw(st.sampled_from([i for i in range(N_REQUESTS) if self.leased[i]]))
-        ks = data.draw(st.lists(st.sampled_from(sorted(self.leased[i])), min_size=1, max_size=4))
-        assert all(self._ready(k) for k in ks), "a leased key is not ready"
-        self._load(i, ks)
-
-    @precondition(lambda self: len(self.slot) > len(self.writing))
-    @rule(i=req, data=st.data())
-    def prepare_load_ready(self, i: int, data: st.DataObject) -> None:
+    @rule(i=req, data=st.data(), source=st.sampled_from(["leased", "ready", "any"]))
+    def prepare_load(self, i: int, data: st.DataObject, source: str) -> None:
+        """Load keys ``i`` leased (must succeed), ready keys, or any keys."""
         ready = sorted(k for k in self.slot if k not in self.writing)
-        self._load(i, data.draw(st.lists(st.sampled_from(ready), min_size=1, max_size=4)))
-
-    @rule(i=req, ks=key_lists)
-    def prepare_load_any(self, i: int, ks: list[bytes]) -> None:
+        pool = {"leased": sorted(self.leased[i]), "ready": ready, "any": KEYS}[source]
+        if not pool:
+            pool = KEYS
+        ks = data.draw(st.lists(st.sampled_from(pool), min_size=1, max_size=4))
+        if source == "leased" and self.leased[i]:
+            assert all(self._ready(k) for k in ks), "a leased key is not ready"
         self._load(i, ks)
+
+    @rule(i=req, data=st.data())
+    def lookup_and_load(self, i: int, data: st.DataObject) -> None:
+        """The common path: lookup, load the hits, complete the load."""
+        ks = self._ready_first(data)
+        n = self._lookup(i, ks)
+        if n:
+            self._load(i, ks[:n])
+            self._complete_loads(i, ks[:n])
 
     @precondition(lambda self: any(self.owed_loads))
     @rule(data=st.data())
     def complete_load(self, data: st.DataObject) -> None:
         i = data.draw(st.sampled_from([i for i in range(N_REQUESTS) if self.owed_loads[i]]))
         owed = sorted({k for k, _ in self.owed_loads[i]})
-        ks = data.draw(st.lists(st.sampled_from(owed), min_size=1, max_size=3, unique=True))
+        ks = data.draw(st.lists(st.sampled_from(owed), min_size=1, unique=True))
+        self._complete_loads(i, ks)
+
+    def _complete_loads(self, i: int, ks: list[bytes]) -> None:
         self.mgr.complete_load(ks, self.ctxs[i])
         for k in ks:  # completions arrive in the order of their loads
             j = next(j for j, (kk, _) in enumerate(self.owed_loads[i]) if kk == k)
@@ -212,7 +239,8 @@ class ManagerMachine(RuleBasedStateMachine):
 
     # -- stores ------------------------------------------------------------------------
 
-    def _offer(self, i: int, ks: list[bytes]) -> None:
+    def _offer(self, i: int, ks: list[bytes]) -> list[bytes]:
+        """prepare_store, checked against the model; returns the granted keys."""
         mgr, ctx = self.mgr, self.ctxs[i]
         before = {k: mgr.admission_count(k) for k in KEYS}
         free_before = self.num_blocks - len(self.slot)
@@ -241,7 +269,7 @@ class ManagerMachine(RuleBasedStateMachine):
             admitted = candidates
         if not admitted:
             assert out == ([], [], [])
-            return
+            return []
         blocked = self._blocked()
         evictable = {k for k in self.slot if k not in blocked and k not in ks}
         need = len(admitted) - free_before
@@ -249,7 +277,7 @@ class ManagerMachine(RuleBasedStateMachine):
         if out is None:
             assert not possible, "prepare_store found no room though there was some"
             self.counters["allocation_failures"] += 1
-            return
+            return []
         assert possible
         assert out.keys_to_store == admitted
         victims = out.evicted_keys
@@ -268,25 +296,30 @@ class ManagerMachine(RuleBasedStateMachine):
             self.slot[k] = b
             self.writing.add(k)
             self.owed_stores[i].append((k, self.epoch))
+        return admitted
 
-    @rule(i=req, ks=key_lists)
-    def prepare_store(self, i: int, ks: list[bytes]) -> None:
-        self._offer(i, ks)
-
-    @precondition(lambda self: any(o is not None for o in self.last_offer))
-    @rule(data=st.data())
-    def retry_store(self, data: st.DataObject) -> None:
-        i = data.draw(st.sampled_from([i for i, o in enumerate(self.last_offer) if o is not None]))
-        offer = self.last_offer[i]
-        assert offer is not None
-        self._offer(i, offer)
+    @rule(i=req, ks=st.lists(key_st, max_size=3), retry=st.booleans())
+    def prepare_store(self, i: int, ks: list[bytes], retry: bool) -> None:
+        """Offer new keys, or retry the request's last offer (after None, preemption...)."""
+        last = self.last_offer[i]
+        self._offer(i, last if retry and last is not None else ks)
 
     @precondition(lambda self: any(self.owed_stores))
     @rule(data=st.data(), success=st.booleans())
     def complete_store(self, data: st.DataObject, success: bool) -> None:
         i = data.draw(st.sampled_from([i for i in range(N_REQUESTS) if self.owed_stores[i]]))
         owed = sorted({k for k, _ in self.owed_stores[i]})
-        ks = data.draw(st.lists(st.sampled_from(owed), min_size=1, max_size=3, unique=True))
+        ks = data.draw(st.lists(st.sampled_from(owed), min_size=1, unique=True))
+        self._complete_stores(i, ks, success)
+
+    @rule(i=req, ks=key_lists, success=st.sampled_from([True, True, True, False]))
+    def store_and_complete(self, i: int, ks: list[bytes], success: bool) -> None:
+        """The common path: offer, then complete whatever was granted."""
+        granted = self._offer(i, ks)
+        if granted:
+            self._complete_stores(i, granted, success)
+
+    def _complete_stores(self, i: int, ks: list[bytes], success: bool) -> None:
         self.mgr.complete_store(ks, self.ctxs[i], success=success)
         done = []
         for k in ks:  # completions arrive in the order of their grants
@@ -336,8 +369,10 @@ class ManagerMachine(RuleBasedStateMachine):
         self.skipped[i].clear()
         self.last_offer[i] = None
 
-    @rule()
-    def reset(self) -> None:
+    @rule(really=st.sampled_from([False, False, False, True]))
+    def reset(self, really: bool) -> None:
+        if not really:  # a reset wipes everything: keep it rarer than other calls
+            return
         ready = {k for k in self.slot if k not in self.writing}
         self.mgr.reset()
         events = self.mgr.take_events()
@@ -386,7 +421,8 @@ class ManagerMachine(RuleBasedStateMachine):
         d = self.mgr.debug_state()
         assert d["tracker_size"] <= self.tracker_size
         assert d["history_size"] <= self.history_size
-        assert d["leases_held"] == sum(map(len, self.leased)) <= self.total
+        assert len(self._all_leased()) <= d["leases_held"] <= sum(map(len, self.leased))
+        assert len(self._all_leased()) <= self.total
         assert all(len(s) <= self.per_request for s in self.leased)
         assert d["policy_size"] == len(self.slot)
         policy = self.mgr.policy

@@ -22,6 +22,7 @@ from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from kvtier.manager import OffloadManager
 from kvtier.request import RequestContext
 from kvtier.results import LookupResult
+from kvtier.tiers.cascade import TierCascade
 from kvtier.vllm.metrics import fill_stats
 
 _LOOKUP = {
@@ -37,11 +38,13 @@ class KVTierOffloadingManager(OffloadingManager):
     Owns nothing but the manager and the last stats snapshot: each vLLM
     ``ReqContext`` carries its kvtier ``RequestContext`` in its per-request
     state, sharing vLLM's end-token positions, so it lives and dies with the
-    request.
+    request. With a ``TierCascade`` (disk/Redis tiers configured), lookups,
+    completed stores, step ends, resets and shutdown go through it.
     """
 
-    def __init__(self, manager: OffloadManager) -> None:
+    def __init__(self, manager: OffloadManager, cascade: TierCascade | None = None) -> None:
         self.manager = manager
+        self.cascade = cascade
         self._reported: dict[str, int] = {}
 
     @staticmethod
@@ -61,7 +64,10 @@ class KVTierOffloadingManager(OffloadingManager):
         return RequestOffloadingContext()
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> VllmLookupResult:
-        return _LOOKUP[self.manager.lookup_one(key, self.context(req_context))]
+        ctx = self.context(req_context)
+        if self.cascade is not None:
+            return _LOOKUP[self.cascade.lookup_one(key, ctx)]
+        return _LOOKUP[self.manager.lookup_one(key, ctx)]
 
     def prepare_load(
         self, keys: Collection[OffloadKey], req_context: ReqContext
@@ -90,7 +96,11 @@ class KVTierOffloadingManager(OffloadingManager):
     def complete_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
     ) -> None:
-        self.manager.complete_store(list(keys), self.context(req_context), success=success)
+        ctx = self.context(req_context)
+        if self.cascade is not None:
+            self.cascade.complete_store(list(keys), ctx, success=success)
+        else:
+            self.manager.complete_store(list(keys), ctx, success=success)
 
     def on_request_finished(self, req_context: ReqContext) -> None:
         self.manager.on_request_finished(self.context(req_context))
@@ -104,7 +114,21 @@ class KVTierOffloadingManager(OffloadingManager):
             )
 
     def get_stats(self) -> Any:
-        return fill_stats(self.manager.stats(), self.manager.num_blocks, self._reported)
+        stats = self.manager.stats()
+        if self.cascade is not None:
+            stats.update(self.cascade.stats())
+        return fill_stats(stats, self.manager.num_blocks, self._reported)
+
+    def on_schedule_end(self, context: Any) -> None:
+        if self.cascade is not None:
+            self.cascade.poll()
 
     def reset_cache(self) -> None:
-        self.manager.reset()
+        if self.cascade is not None:
+            self.cascade.reset()
+        else:
+            self.manager.reset()
+
+    def shutdown(self) -> None:
+        if self.cascade is not None:
+            self.cascade.shutdown()

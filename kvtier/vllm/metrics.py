@@ -16,6 +16,14 @@ COUNTERS = {
 }
 """Counter name (after the prefix) -> help text; values are manager.stats() fields."""
 
+TIER_COUNTERS = {
+    "promotions": "Block promotions from the disk/Redis tiers into CPU slots started.",
+    "promotion_failures": "Promotions that failed (miss, corrupt, I/O error, timeout).",
+    "cascade_writes": "Blocks written from CPU slots to the disk/Redis tiers.",
+    "dropped_writes": "Block writes to the disk/Redis tiers dropped (queue full, tier down).",
+}
+"""Counters of ``TierCascade.stats()``, reported when disk/Redis tiers are configured."""
+
 GAUGES = {
     "resident": "Blocks held in kvtier's CPU tier.",
     "pinned": "Resident blocks being read by a load.",
@@ -31,7 +39,7 @@ def metric_definitions() -> dict[str, Any]:
 
     defs: dict[str, Any] = {
         METRIC_PREFIX + name: OffloadingCounterMetadata(documentation=doc)
-        for name, doc in COUNTERS.items()
+        for name, doc in {**COUNTERS, **TIER_COUNTERS}.items()
     }
     defs.update(
         {METRIC_PREFIX + name: OffloadingGaugeMetadata(documentation=doc)
@@ -47,7 +55,7 @@ def fill_stats(stats: dict[str, int], num_blocks: int, reported: dict[str, int])
     )
 
     out = OffloadingConnectorStats()
-    for name in COUNTERS:
+    for name in (*COUNTERS, *(n for n in TIER_COUNTERS if n in stats)):
         delta = stats[name] - reported.get(name, 0)
         reported[name] = stats[name]
         if delta > 0:

@@ -47,6 +47,14 @@ class KVTierSettings:
     max_leases_per_request: int = DEFAULT_MAX_LEASES_PER_REQUEST
     max_leased_blocks: int | None = None
     """Blocks leased by all requests together; None: half the CPU tier."""
+    disk_path: str | None = None
+    """Directory of the disk tier (shared by engines of one host); None: no disk tier."""
+    disk_bytes: int | None = None
+    """Bytes of block files the disk tier may keep; required with ``disk_path``."""
+    redis_url: str | None = None
+    """Redis/Valkey URL of the shared tier; None: no Redis tier."""
+    tenant_salt: str | None = None
+    """Separates tenants sharing the disk/Redis tiers (keyed into the namespace)."""
 
     @classmethod
     def accepted_keys(cls) -> list[str]:
@@ -87,6 +95,16 @@ class KVTierSettings:
         timeout = self.lease_timeout_s
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
             raise ConfigError(f"lease_timeout_s must be a number of seconds > 0, got {timeout!r}")
+        for key in ("disk_path", "redis_url", "tenant_salt"):
+            value = getattr(self, key)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ConfigError(f"{key} must be a non-empty str (or unset), got {value!r}")
+        if self.disk_path is not None and self.disk_bytes is None:
+            raise ConfigError("disk_bytes is required with disk_path: the disk tier's size")
+        if self.disk_bytes is not None:
+            if self.disk_path is None:
+                raise ConfigError("disk_bytes is set but disk_path is not")
+            _int_at_least("disk_bytes", self.disk_bytes, 1, "a byte count")
         if not isinstance(self.eviction_policy, str):
             raise ConfigError(f"eviction_policy must be a str, got {self.eviction_policy!r}")
         try:

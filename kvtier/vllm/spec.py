@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import logging
+import time
 from typing import Any
 
 from vllm.v1.kv_offload.base import (
@@ -14,10 +17,18 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 
 from kvtier.manager import OffloadManager
 from kvtier.slots.region import DEFAULT_ALIGNMENT, PREFIX, SUFFIX, SlotRegion
+from kvtier.tiers.base import Tier
+from kvtier.tiers.cascade import TierCascade
+from kvtier.tiers.namespace import namespace_of
 from kvtier.vllm.adapter import KVTierOffloadingManager
 from kvtier.vllm.metrics import metric_definitions
 from kvtier.vllm.settings import ConfigError, KVTierSettings
 from kvtier.vllm.worker import VllmSlotWorker
+
+logger = logging.getLogger(__name__)
+
+ATTACH_RETRY_S = 1.0
+"""How often the scheduler retries attaching the workers' slot region."""
 
 
 def shared_region_name(engine_id: str, rank: int) -> str:
@@ -81,8 +92,64 @@ class KVTierSpec(OffloadingSpec):
                 max_leased_blocks=s.max_leased_blocks,
                 lease_timeout_s=s.lease_timeout_s,
             )
-            self._manager = KVTierOffloadingManager(manager)
+            self._manager = KVTierOffloadingManager(manager, self._cascade(manager))
         return self._manager
+
+    def namespace(self) -> str:
+        """The shared tiers' namespace: model, KV dtype and geometry, rank, tenant."""
+        c = self.config
+        fingerprint = {
+            "model": c.model.name,
+            "dtype": c.model.dtype,
+            "tokens_per_block": [g.tokens_per_block for g in c.groups],
+            "layers": [len(g.layer_names) for g in c.groups],
+            "worker_kv_bytes_per_block": c.worker_kv_bytes_per_block,
+            "kv_cache_layout": c.kv_cache_layout,
+            "rank": c.parallel.rank,
+            "world_size": c.parallel.world_size,
+        }
+        raw = json.dumps(fingerprint, sort_keys=True, separators=(",", ":")).encode()
+        return namespace_of(raw, self.settings.tenant_salt)
+
+    def _cascade(self, manager: OffloadManager) -> TierCascade | None:
+        """Disk/Redis tiers behind the CPU tier, when configured (rank 0's region)."""
+        s = self.settings
+        if s.disk_path is None and s.redis_url is None:
+            return None
+        if self.config.parallel.world_size != 1:
+            raise ConfigError("disk_path/redis_url need a single-worker engine for now")
+        namespace = self.namespace()
+        tiers: list[Tier] = []
+        if s.disk_path is not None:
+            from kvtier.tiers.disk import DiskTier
+
+            assert s.disk_bytes is not None  # checked by the settings
+            tiers.append(DiskTier(s.disk_path, namespace, s.disk_bytes,
+                                  max_block_bytes=self.slot_bytes))
+        if s.redis_url is not None:
+            from kvtier.tiers.redis_tier import RedisTier
+
+            tiers.append(RedisTier(s.redis_url, namespace, max_block_bytes=self.slot_bytes))
+        return TierCascade(manager, self._region_attacher(), tiers)
+
+    def _region_attacher(self) -> Any:
+        """A callable attaching the worker's slot region on first success (None
+        until the worker created it; retried at most every ``ATTACH_RETRY_S``)."""
+        name = shared_region_name(self.config.engine_id, 0)
+        last_try = [-ATTACH_RETRY_S]
+
+        def attach() -> SlotRegion | None:
+            now = time.monotonic()
+            if now - last_try[0] < ATTACH_RETRY_S:
+                return None
+            last_try[0] = now
+            try:
+                return SlotRegion.attach(name, num_slots=self.num_slots,
+                                         slot_bytes=self.slot_bytes)
+            except FileNotFoundError:
+                return None
+
+        return attach
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if self._worker is None:

@@ -1,0 +1,404 @@
+"""TierCascade and the manager's promotion API, on a real SlotRegion, real files
+and a real redis-server (no mocks of the tiers; a gate wrapper only delays calls)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvtier import MissingBlocksError, OffloadManager, ProtocolError, RequestContext, block_key
+from kvtier.results import LookupResult
+from kvtier.slots.region import SlotRegion
+from kvtier.tiers import DiskTier, KVLayout, Tier, TierEvent
+from kvtier.tiers.blockfile import BytesLike
+from kvtier.tiers.cascade import TierCascade
+from kvtier.tiers.redis_server import RedisServer, find_server_binary
+
+NS = KVLayout("test-model", "bfloat16", 16, 2, 2, 64).namespace()
+SIZE = 16 * 1024
+SLOTS = 4
+HIT, MISS, PENDING = LookupResult.HIT, LookupResult.MISS, LookupResult.HIT_PENDING
+
+
+def payload(i: int) -> np.ndarray:
+    return np.random.default_rng(i).integers(0, 256, SIZE, dtype=np.uint8)
+
+
+class Gate(Tier):
+    """Delegates to ``inner``; ``put``/``get_into`` wait for ``opened`` first."""
+
+    def __init__(self, inner: Tier) -> None:
+        self.inner, self.name, self.namespace = inner, inner.name, inner.namespace
+        self.opened = threading.Event()
+        self.entered = threading.Event()
+
+    def _wait(self) -> None:
+        self.entered.set()
+        self.opened.wait(10)
+
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        return self.inner.contains(keys)
+
+    def get_into(self, keys: Sequence[bytes], buffers: Sequence[BytesLike]) -> list[int | None]:
+        self._wait()
+        return self.inner.get_into(keys, buffers)
+
+    def get(self, keys: Sequence[bytes]) -> list[memoryview | None]:
+        return self.inner.get(keys)
+
+    def put(self, items: Sequence[tuple[bytes, BytesLike]]) -> list[bool]:
+        self._wait()
+        return self.inner.put(items)
+
+    def delete(self, keys: Sequence[bytes]) -> int:
+        return self.inner.delete(keys)
+
+    def stats(self) -> dict[str, int | float | str]:
+        return self.inner.stats()
+
+    def take_events(self) -> list[TierEvent]:
+        return self.inner.take_events()
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+@pytest.fixture
+def region(tmp_path: Path) -> Iterator[SlotRegion]:
+    with SlotRegion.create("cascade-test", SLOTS, SIZE, shm_dir=tmp_path) as r:
+        yield r
+
+
+def disk(tmp_path: Path) -> DiskTier:
+    return DiskTier(tmp_path / "disk", NS, 64 << 20, free_reserve_bytes=0)
+
+
+def store(c: TierCascade, region: SlotRegion, ids: Sequence[int], req: str = "w") -> None:
+    """Offer ``ids`` as one request, write their bytes into the granted slots, complete."""
+    ctx = RequestContext(req)
+    keys = [block_key(i) for i in ids]
+    out = c.manager.prepare_store(keys, ctx)
+    assert out is not None
+    for key, slot in zip(out.keys_to_store, out.block_ids, strict=True):
+        region.slot_array(slot)[:] = payload(int.from_bytes(key[:-4], "big"))
+    c.complete_store(out.keys_to_store, ctx)
+    c.manager.on_request_finished(ctx)
+
+
+def settle(c: TierCascade, key: bytes, ctx: RequestContext, timeout: float = 10.0) -> LookupResult:
+    deadline = time.monotonic() + timeout
+    while (r := c.lookup_one(key, ctx)) is PENDING:
+        assert time.monotonic() < deadline, "promotion never finished"
+        time.sleep(0.002)
+    return r
+
+
+def evict_all(c: TierCascade, region: SlotRegion) -> None:
+    """Push the first blocks out of the CPU tier with 4 other blocks."""
+    assert c.drain()
+    store(c, region, range(100, 100 + SLOTS), req="filler")
+    assert c.drain()
+
+
+# ---------------------------------------------------------------- manager API
+def test_reserve_bypasses_admission_and_completes() -> None:
+    mgr = OffloadManager(2, store_threshold=2)
+    k = block_key(1)
+    slots = mgr.reserve([k])
+    assert slots is not None and len(slots) == 1
+    ctx = RequestContext("r")
+    assert mgr.lookup_one(k, ctx) is PENDING
+    assert mgr.stats()["write_pending"] == 1 and mgr.admission_count(k) == 0
+    with pytest.raises(ProtocolError):
+        mgr.reserve([k])
+    mgr.complete_reserve([k], success=True)
+    mgr.complete_reserve([k], success=True)  # a second completion is ignored
+    assert mgr.lookup_one(k, ctx) is HIT
+    k2 = block_key(2)
+    assert mgr.reserve([k2]) is not None
+    mgr.complete_reserve([k2], success=False)
+    assert not mgr.contains(k2) and mgr.stats()["free"] == 1
+
+
+def test_reserve_evicts_and_fails_without_room() -> None:
+    mgr = OffloadManager(1)
+    a, b = block_key(1), block_key(2)
+    assert mgr.reserve([a]) is not None
+    assert mgr.reserve([b]) is None  # a is write-pending: not evictable
+    mgr.complete_reserve([a])
+    assert mgr.reserve([b]) is not None and not mgr.contains(a)
+
+
+def test_reserve_ignored_after_reset() -> None:
+    mgr = OffloadManager(2)
+    k = block_key(1)
+    mgr.reserve([k])
+    mgr.reset()
+    mgr.complete_reserve([k], success=True)
+    assert not mgr.contains(k) and mgr.stats()["free"] == 2
+
+
+def test_internal_pin_blocks_eviction_without_recency() -> None:
+    mgr = OffloadManager(2, policy="lru")
+    a, b, c = block_key(1), block_key(2), block_key(3)
+    for i, k in enumerate((a, b)):
+        ctx = RequestContext(f"s{i}")
+        out = mgr.prepare_store([k], ctx)
+        assert out is not None
+        mgr.complete_store([k], ctx)
+        mgr.on_request_finished(ctx)
+    assert mgr.pin_internal([a, a]) == [mgr._slot[a]] * 2
+    with pytest.raises(MissingBlocksError):
+        mgr.pin_internal([c])
+    ctx = RequestContext("s3")
+    out = mgr.prepare_store([c], ctx)
+    assert out is not None and out.evicted_keys == [b]  # a is pinned
+    mgr.complete_store([c], ctx)
+    mgr.on_request_finished(ctx)
+    mgr.unpin_internal([a])
+    assert mgr.stats()["pinned"] == 1
+    mgr.unpin_internal([a, a])  # the extra unpin is ignored
+    assert mgr.stats()["pinned"] == 0
+    ctx = RequestContext("s4")
+    out = mgr.prepare_store([b], ctx)
+    # a was least recent before the pins and still is: the pins were no access
+    assert out is not None and out.evicted_keys == [a]
+
+
+# ---------------------------------------------------------------- cascade
+def test_promotion_round_trip_from_disk(tmp_path: Path, region: SlotRegion) -> None:
+    tier = disk(tmp_path)
+    c = TierCascade(OffloadManager(SLOTS), region, [tier])
+    try:
+        store(c, region, [0, 1])
+        evict_all(c, region)
+        assert c.stats()["cascade_writes"] == 2 + SLOTS
+        k = block_key(0)
+        assert not c.manager.contains(k)
+        ctx1, ctx2 = RequestContext("r1"), RequestContext("r2")
+        assert c.lookup_one(k, ctx1) is PENDING
+        assert c.lookup_one(k, ctx2) is PENDING  # same block: no second promotion
+        assert settle(c, k, ctx1) is HIT and settle(c, k, ctx2) is HIT
+        s = c.stats()
+        assert s["promotions"] == 1 and s["promotion_failures"] == 0
+        assert tier.stats()["hits"] == 1
+        spec = c.manager.prepare_load([k], ctx1)
+        assert np.array_equal(region.slot_array(spec.block_ids[0]), payload(0))
+        c.manager.complete_load([k], ctx1)
+        assert c.lookup_one(block_key(77), ctx1) is MISS  # in no tier
+        # the promoted block is not written back: the disk holds it already
+        assert c.stats()["cascade_writes"] == 2 + SLOTS
+    finally:
+        c.shutdown()
+    assert not any(t.is_alive() for t in c._threads)
+
+
+def test_resident_key_refused_for_lease_budget_is_not_promoted(
+    tmp_path: Path, region: SlotRegion
+) -> None:
+    c = TierCascade(OffloadManager(SLOTS, max_leases_per_request=1), region, [disk(tmp_path)])
+    try:
+        store(c, region, [0, 1])
+        assert c.drain()
+        ctx = RequestContext("r")
+        assert c.lookup_one(block_key(0), ctx) is HIT
+        assert c.lookup_one(block_key(1), ctx) is MISS  # out of leases, on disk too
+        assert c.stats()["promotions"] == 0
+    finally:
+        c.shutdown()
+
+
+def test_corrupt_disk_file_is_a_miss_not_a_hang(tmp_path: Path, region: SlotRegion) -> None:
+    tier = disk(tmp_path)
+    c = TierCascade(OffloadManager(SLOTS), region, [tier])
+    try:
+        store(c, region, [0])
+        evict_all(c, region)
+        path = Path(tier._file(block_key(0)))
+        raw = bytearray(path.read_bytes())
+        raw[-100] ^= 0x40
+        path.write_bytes(raw)
+        ctx = RequestContext("r")
+        k = block_key(0)
+        assert settle(c, k, ctx) is MISS
+        assert c.stats()["promotion_failures"] == 1 and tier.stats()["corrupt"] == 1
+        assert c.manager.stats()["write_pending"] == 0 and not c.manager.contains(k)
+        for _ in range(5):  # remembered: no retry loop
+            assert c.lookup_one(k, ctx) is MISS
+        assert c.stats()["promotions"] == 1
+    finally:
+        c.shutdown()
+
+
+def test_failed_key_is_retried_after_its_ttl(tmp_path: Path, region: SlotRegion) -> None:
+    tier = disk(tmp_path)
+    c = TierCascade(OffloadManager(SLOTS), region, [Gate(tier)], failure_ttl_s=0.05)
+    try:
+        c.tiers[0].opened.set()  # type: ignore[attr-defined]
+        store(c, region, [0])
+        evict_all(c, region)
+        k = block_key(0)
+        Path(tier._file(k)).write_bytes(b"junk")  # present, unreadable
+        ctx = RequestContext("r")
+        assert settle(c, k, ctx) is MISS
+        time.sleep(0.06)
+        assert c.lookup_one(k, ctx) is MISS  # the bad file is gone: not found again
+        assert c.stats()["promotions"] == 1
+    finally:
+        c.shutdown()
+
+
+def test_promotion_timeout_reports_miss_then_frees_slot(
+    tmp_path: Path, region: SlotRegion
+) -> None:
+    gate = Gate(disk(tmp_path))
+    gate.opened.set()
+    c = TierCascade(OffloadManager(SLOTS), region, [gate], promotion_timeout_s=0.05)
+    try:
+        store(c, region, [0])
+        evict_all(c, region)
+        gate.opened.clear()
+        k, ctx = block_key(0), RequestContext("r")
+        assert c.lookup_one(k, ctx) is PENDING
+        assert gate.entered.wait(5)
+        time.sleep(0.06)
+        assert c.lookup_one(k, ctx) is MISS  # stuck I/O: a miss now, never a hang
+        assert c.manager.stats()["write_pending"] == 1  # slot kept while the thread writes
+        gate.opened.set()
+        assert c.drain()
+        assert c.manager.stats()["write_pending"] == 0 and c.manager.contains(k)
+    finally:
+        gate.opened.set()
+        c.shutdown()
+
+
+def test_write_through_skips_blocks_the_tier_holds(tmp_path: Path, region: SlotRegion) -> None:
+    tier = disk(tmp_path)
+    c = TierCascade(OffloadManager(SLOTS), region, [tier])
+    try:
+        store(c, region, [0, 1])
+        assert c.drain()
+        c.reset()  # the CPU tier forgets; the disk keeps them
+        store(c, region, [0, 1, 2])
+        assert c.drain()
+        s = c.stats()
+        assert s["cascade_writes"] == 3 and s["duplicate_writes_skipped"] == 2
+        assert tier.stats()["stores"] == 3
+        assert c.manager.stats()["pinned"] == 0
+    finally:
+        c.shutdown()
+
+
+def test_full_write_queue_drops_stores(tmp_path: Path, region: SlotRegion) -> None:
+    gate = Gate(disk(tmp_path))
+    c = TierCascade(OffloadManager(SLOTS), region, [gate], io_threads=1, max_queue=1)
+    try:
+        store(c, region, [0])  # taken by the only thread, which waits at the gate
+        assert gate.entered.wait(5)
+        store(c, region, [1])  # queued
+        store(c, region, [2, 3])  # queue full: dropped, not pinned
+        s = c.stats()
+        assert s["dropped_writes"] == 2 and s["queued_writes"] == 1
+        assert c.manager.stats()["pinned"] == 2
+        gate.opened.set()
+        assert c.drain()
+        assert c.stats()["cascade_writes"] == 2 and c.manager.stats()["pinned"] == 0
+        assert gate.inner.contains([block_key(i) for i in range(4)]) == [True, True, False, False]
+    finally:
+        gate.opened.set()
+        c.shutdown()
+
+
+def test_lazy_region_drops_writes_until_available(tmp_path: Path, region: SlotRegion) -> None:
+    available: list[SlotRegion] = []
+
+    def source() -> SlotRegion | None:
+        return available[0] if available else None
+
+    c = TierCascade(OffloadManager(SLOTS), source, [disk(tmp_path)])
+    try:
+        store(c, region, [0])
+        assert c.stats()["dropped_writes"] == 1
+        available.append(region)
+        store(c, region, [1])
+        assert c.drain() and c.stats()["cascade_writes"] == 1
+    finally:
+        c.shutdown()
+
+
+def test_evict_policy_writes_blocks_as_the_cpu_tier_evicts_them(
+    tmp_path: Path, region: SlotRegion
+) -> None:
+    tier = disk(tmp_path)
+    c = TierCascade(OffloadManager(SLOTS), region, [tier], write_policy="evict")
+    try:
+        store(c, region, [0, 1])
+        assert c.drain() and c.stats()["cascade_writes"] == 0  # nothing evicted yet
+        store(c, region, [100, 101, 102, 103])  # evicts 0 and 1, copied before reuse
+        assert c.drain() and c.stats()["cascade_writes"] == 2
+        assert c.manager.stats()["pinned"] == 0
+        ctx = RequestContext("r")
+        k = block_key(0)
+        assert settle(c, k, ctx) is HIT  # promoted back, evicting a filler (written now)
+        spec = c.manager.prepare_load([k], ctx)
+        assert np.array_equal(region.slot_array(spec.block_ids[0]), payload(0))
+        c.manager.complete_load([k], ctx)
+        assert c.drain() and c.stats()["cascade_writes"] == 3
+        gone = [i for i in range(100, 104) if not c.manager.contains(block_key(i))]
+        assert len(gone) == 1 and tier.contains([block_key(gone[0])]) == [True]
+        assert np.array_equal(np.asarray(tier.get([block_key(gone[0])])[0]), payload(gone[0]))
+    finally:
+        c.shutdown()
+
+
+def test_per_tier_write_policy_is_checked(tmp_path: Path, region: SlotRegion) -> None:
+    with pytest.raises(ValueError, match="write_policy"):
+        TierCascade(OffloadManager(SLOTS), region, [disk(tmp_path)], write_policy="later")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="write_policy"):
+        TierCascade(OffloadManager(SLOTS), region, [disk(tmp_path)],
+                    write_policy=["store", "evict"])
+
+
+# ---------------------------------------------------------------- redis
+@pytest.fixture
+def server() -> Iterator[RedisServer]:
+    if find_server_binary() is None:
+        pytest.skip("no redis-server binary")
+    srv = RedisServer().start()
+    yield srv
+    srv.close()
+
+
+def test_redis_round_trip_then_down(
+    tmp_path: Path, region: SlotRegion, server: RedisServer
+) -> None:
+    pytest.importorskip("redis")
+    from kvtier.tiers.redis_tier import RedisTier
+
+    tier = RedisTier(server.url, NS, socket_timeout_s=0.3, connect_timeout_s=0.3,
+                     failure_threshold=1, reset_timeout_s=30.0)
+    c = TierCascade(OffloadManager(SLOTS), region, [tier])
+    try:
+        store(c, region, [0, 1, 2])
+        evict_all(c, region)
+        ctx = RequestContext("r")
+        assert settle(c, block_key(0), ctx) is HIT
+        spec = c.manager.prepare_load([block_key(0)], ctx)
+        assert np.array_equal(region.slot_array(spec.block_ids[0]), payload(0))
+        c.manager.complete_load([block_key(0)], ctx)
+        server.stop(kill=True)
+        started = time.monotonic()
+        assert settle(c, block_key(1), ctx) is MISS
+        assert settle(c, block_key(2), ctx) is MISS
+        store(c, region, [50, 51])  # the engine keeps storing into the CPU tier
+        assert c.drain(5)
+        assert time.monotonic() - started < 5
+        assert c.manager.contains(block_key(50)) and c.manager.stats()["pinned"] == 0
+    finally:
+        c.shutdown()
+
