@@ -2,7 +2,10 @@
 
     kvtier replay [TRACE] --capacity N[,N...] --policy NAME[,NAME...]
                   [--store-threshold K[,K...]] [--max-tracker-size N]
-                  [--block-bytes B] [--json] [--no-progress]
+                  [--block-bytes B] [--bounds] [--plot OUT.png] [--json] [--no-progress]
+                  [--driver sequential|engine] [--concurrency N] [--max-delay N]
+                  [--preempt P] [--seed N]
+    kvtier generate KIND [--seed N] [--requests M] -o OUT.jsonl
     kvtier demo [--conversations N] [--turns N] [--repeats N] [--cpu-bytes B]
                 [--model-dir DIR] [--json]
 
@@ -25,7 +28,9 @@ from kvtier.argtypes import positive_int
 from kvtier.demo import chat as demo_chat
 from kvtier.errors import ProtocolError
 from kvtier.policies import policy_class
-from kvtier.replay.driver import ReplayResult, replay, trace_keys
+from kvtier.replay.driver import BOUNDS, ReplayResult, bound_results, replay, trace_keys
+from kvtier.replay.engine import EngineConfig, replay_engine
+from kvtier.replay.generate import KINDS, generate, write_trace
 from kvtier.replay.trace import BUNDLED_TRACE, TraceFormatError, load_trace
 
 PROG = "kvtier"
@@ -64,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_replay(commands)
+    _add_generate(commands)
     _add_demo(commands)
     return parser
 
@@ -81,16 +87,60 @@ def _add_replay(commands: Any) -> None:
     p.add_argument("--capacity", type=int_list, required=True, metavar="N[,N...]",
                    help="cache sizes in blocks")
     p.add_argument("--policy", type=name_list, required=True, metavar="NAME[,NAME...]",
-                   help="eviction policies (built-in name or module.path:ClassName)")
+                   help="eviction policies (built-in name, 'default', module.path:ClassName; "
+                   "'opt' and 'infinite' add the bounds)")
     p.add_argument("--store-threshold", type=int_list, default=[1], metavar="K[,K...]",
                    help="offers a new block needs before it is stored (default 1)")
     p.add_argument("--max-tracker-size", type=positive_int, default=64_000, metavar="N",
                    help="admission tracker bound (default 64000)")
     p.add_argument("--block-bytes", type=positive_int, default=None, metavar="B",
                    help="bytes per block for bytes_written (default: count blocks)")
+    p.add_argument("--bounds", action="store_true",
+                   help="add Belady OPT (per capacity) and infinite-cache rows")
+    p.add_argument("--plot", type=Path, default=None, metavar="OUT.png",
+                   help="plot hit ratio against capacity, one line per policy, OPT dashed")
     p.add_argument("--json", action="store_true", help="one JSON object per line")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--driver", choices=("sequential", "engine"), default="sequential",
+                   help="sequential: the README's one-at-a-time order (default); engine: "
+                   "requests in flight together, late out-of-order completions, "
+                   "allocation-failure retries, preemption re-offers")
+    p.add_argument("--concurrency", type=positive_int, default=4, metavar="N",
+                   help="engine driver: requests in flight (default 4)")
+    p.add_argument("--max-delay", type=int, default=2, metavar="STEPS",
+                   help="engine driver: steps a load or store may take (default 2)")
+    p.add_argument("--preempt", type=float, default=0.0, metavar="P",
+                   help="engine driver: probability a request is preempted (default 0)")
+    p.add_argument("--seed", type=int, default=0, help="engine driver: random seed")
     p.set_defaults(func=cmd_replay)
+
+
+def _add_generate(commands: Any) -> None:
+    """Register ``kvtier generate``."""
+    p = commands.add_parser(
+        "generate",
+        help="write a seeded synthetic workload as a Mooncake-format trace",
+        description="Generate a workload (" + ", ".join(KINDS) + ") as Mooncake jsonl; "
+        "the same kind, seed and request count always give the same file.",
+    )
+    p.add_argument("kind", choices=list(KINDS), metavar="KIND",
+                   help="workload: " + ", ".join(KINDS))
+    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    p.add_argument("--requests", type=positive_int, default=10_000, metavar="M",
+                   help="number of requests (default 10000)")
+    p.add_argument("-o", "--output", type=Path, required=True, metavar="OUT.jsonl",
+                   help="file to write")
+    p.set_defaults(func=cmd_generate)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    """Write the workload; report where and how many requests on stderr."""
+    try:
+        n = write_trace(generate(args.kind, args.seed, args.requests), args.output)
+    except OSError as exc:
+        raise CommandError(f"cannot write {args.output}: {exc.strerror or exc}") from None
+    print(f"{PROG}: wrote {n} {args.kind} requests to {args.output}", file=sys.stderr)
+    return 0
 
 
 def _add_demo(commands: Any) -> None:
@@ -212,8 +262,9 @@ class Table:
 
     def row(self, r: ReplayResult) -> str:
         """One result, hit ratio to 4 decimals."""
+        us = "-" if r.policy in BOUNDS else f"{r.us_per_key:.3f}"
         cells = (str(r.capacity), str(r.store_threshold), f"{r.hit_ratio:.4f}",
-                 str(r.stores), str(r.evictions), f"{r.us_per_key:.3f}")
+                 str(r.stores), str(r.evictions), us)
         w = self.widths
         padded = [c.rjust(x) for c, x in zip(cells, w[1:], strict=True)]
         return "  ".join([r.policy.ljust(w[0]), *padded])
@@ -225,6 +276,8 @@ class Table:
 def check_policies(names: Sequence[str]) -> None:
     """Raise ``CommandError`` with kvtier's message for the first unknown policy."""
     for name in names:
+        if name in BOUNDS:
+            continue
         try:
             policy_class(name)
         except ValueError as exc:
@@ -265,33 +318,75 @@ def _formatter(args: argparse.Namespace, path: Path, keys: list[list[bytes]]) ->
     """JSON lines with ``--json``, else an aligned table."""
     if args.json:
         return JsonLines(path)
-    return Table(args.policy, args.capacity, args.store_threshold, sum(map(len, keys)))
+    offered = sum(map(len, keys))
+    names = [*args.policy, *(BOUNDS if args.bounds else ())]
+    capacities = [*args.capacity, *([offered] if "infinite" in names else [])]
+    return Table(names, capacities, args.store_threshold, offered)
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
     """Run every policy x capacity x threshold over the trace and print the results."""
     check_policies(args.policy)
+    _check_engine_options(args)
     path: Path = args.trace if args.trace is not None else BUNDLED_TRACE
     keys = load_keys(path)
-    grid = list(itertools.product(args.policy, args.capacity, args.store_threshold))
+    policies = [p for p in args.policy if p not in BOUNDS]
+    bounds = [b for b in BOUNDS if b in args.policy or args.bounds]
+    grid = list(itertools.product(policies, args.capacity, args.store_threshold))
     out = _formatter(args, path, keys)
-    progress = make_progress(len(grid) * len(keys), not args.no_progress)
+    progress = make_progress((len(grid) + bool(bounds)) * len(keys), not args.no_progress)
+    results: list[ReplayResult] = []
     try:
         header = out.header()
         if header is not None:
             progress.write(header)
         for policy, capacity, threshold in grid:
             progress.describe(f"{policy} {capacity} k={threshold}")
-            progress.write(out.row(_run_one(args, keys, policy, capacity, threshold, progress)))
+            results.append(_run_one(args, keys, policy, capacity, threshold, progress))
+            progress.write(out.row(results[-1]))
+        if bounds:
+            progress.describe("bounds")
+            rows = bound_results(keys, args.capacity, opt="opt" in bounds,
+                                 infinite="infinite" in bounds, block_bytes=args.block_bytes)
+            progress.update(len(keys))
+            for row in rows:
+                results.append(row)
+                progress.write(out.row(row))
     finally:
         progress.close()
+    if args.plot is not None:
+        _plot(results, args.plot, path)
     return 0
+
+
+def _check_engine_options(args: argparse.Namespace) -> None:
+    """``CommandError`` for engine options out of range."""
+    if args.max_delay < 0:
+        raise CommandError(f"--max-delay must be >= 0, got {args.max_delay}")
+    if not 0.0 <= args.preempt < 1.0:
+        raise CommandError(f"--preempt must be in [0, 1), got {args.preempt}")
+
+
+def _plot(results: list[ReplayResult], out: Path, trace: Path) -> None:
+    from kvtier.replay.plot import PlotError, plot_results
+
+    try:
+        plot_results(results, out, title=f"prefix-hit ratio, {trace.name}")
+    except PlotError as exc:
+        raise CommandError(str(exc)) from None
+    print(f"{PROG}: wrote plot {out}", file=sys.stderr)
 
 
 def _run_one(args: argparse.Namespace, keys: list[list[bytes]], policy: str,
              capacity: int, threshold: int, progress: Progress) -> ReplayResult:
     """One replay; bad manager parameters become ``CommandError`` (protocol bugs do not)."""
     try:
+        if args.driver == "engine":
+            config = EngineConfig(concurrency=args.concurrency, max_delay=args.max_delay,
+                                  preempt=args.preempt, seed=args.seed)
+            return replay_engine(keys, capacity, policy, config, store_threshold=threshold,
+                                 max_tracker_size=args.max_tracker_size,
+                                 block_bytes=args.block_bytes, progress=progress.update)
         return replay(keys, capacity, policy, store_threshold=threshold,
                       max_tracker_size=args.max_tracker_size,
                       block_bytes=args.block_bytes, progress=progress.update)

@@ -7,25 +7,32 @@ import importlib
 from kvtier.policies.arc import ARCPolicy
 from kvtier.policies.base import EvictionPolicy
 from kvtier.policies.lru import LRUPolicy
+from kvtier.policies.plfu import PLFUPolicy
 
 POLICIES: dict[str, type[EvictionPolicy]] = {
     LRUPolicy.name: LRUPolicy,
     ARCPolicy.name: ARCPolicy,
+    PLFUPolicy.name: PLFUPolicy,
 }
 """Built-in policies by name."""
+
+DEFAULT_POLICY = PLFUPolicy.name
+"""The policy the name ``"default"`` selects (docs/policy.md says why)."""
 
 
 def policy_class(name: str) -> type[EvictionPolicy]:
     """Resolve a built-in name or ``module.path:ClassName`` to a policy class."""
     if not isinstance(name, str):
         raise TypeError(f"policy must be a str name, not {type(name).__name__}")
+    if name == "default":
+        name = DEFAULT_POLICY
     if name in POLICIES:
         return POLICIES[name]
     if ":" not in name:
         known = ", ".join(sorted(POLICIES))
         raise ValueError(
-            f"unknown eviction policy {name!r}; known policies: {known}, "
-            "or a custom one as 'module.path:ClassName'"
+            f"unknown eviction policy {name!r}; known policies: {known} "
+            f"('default' is {DEFAULT_POLICY}), or a custom one as 'module.path:ClassName'"
         )
     module_name, _, class_name = name.partition(":")
     try:
@@ -45,4 +52,7 @@ def make_policy(name: str, capacity: int) -> EvictionPolicy:
     return policy_class(name)(capacity)
 
 
-__all__ = ["ARCPolicy", "EvictionPolicy", "LRUPolicy", "POLICIES", "make_policy", "policy_class"]
+__all__ = [
+    "DEFAULT_POLICY", "POLICIES", "ARCPolicy", "EvictionPolicy", "LRUPolicy", "PLFUPolicy",
+    "make_policy", "policy_class",
+]

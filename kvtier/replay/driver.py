@@ -31,7 +31,12 @@ class ReplayResult:
 
     ``hit_ratio`` is prefix-hit blocks / offered blocks; ``bytes_written`` is
     stored blocks times the block size (stored blocks when no size was given);
-    ``us_per_key`` is manager time per offered key, in microseconds.
+    ``writes_per_hit`` is stored blocks per prefix-hit block (None without
+    hits), the SSD-wear price of each hit; ``us_per_key`` is manager time per
+    offered key, in microseconds (0.0 for the bounds, which run no manager).
+    ``driver`` is ``"sequential"`` (this module), ``"engine"``
+    (``kvtier.replay.engine``, with its ``concurrency``, ``preemptions`` and
+    offers abandoned after allocation-failure retries) or ``"bound"``.
     """
 
     policy: str
@@ -47,6 +52,11 @@ class ReplayResult:
     allocation_failures: int
     bytes_written: int
     us_per_key: float
+    writes_per_hit: float | None = None
+    driver: str = "sequential"
+    concurrency: int = 1
+    preemptions: int = 0
+    stores_abandoned: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         """The fields as a JSON-ready dict, in declaration order."""
@@ -149,4 +159,50 @@ def replay(
         allocation_failures=stats["allocation_failures"],
         bytes_written=stats["stores"] * (1 if block_bytes is None else block_bytes),
         us_per_key=seconds / offered * 1e6 if offered else 0.0,
+        writes_per_hit=_per_hit(stats["stores"], hits),
     )
+
+
+def _per_hit(stores: int, hits: int) -> float | None:
+    return stores / hits if hits else None
+
+
+BOUNDS = ("opt", "infinite")
+"""Names of the bound rows: Belady's OPT and the infinite cache."""
+
+
+def bound_results(
+    requests: Sequence[list[bytes]],
+    capacities: Iterable[int],
+    *,
+    opt: bool = True,
+    infinite: bool = True,
+    block_bytes: int | None = None,
+) -> list[ReplayResult]:
+    """The bound rows for ``requests``: OPT at each capacity, then the infinite cache.
+
+    Block hits on the flat access sequence (``kvtier.replay.bounds``); an
+    infinite cache's ``capacity`` is the number of distinct blocks (any cache
+    that large reaches it). ``stores`` are blocks the bound keeps.
+    """
+    from kvtier.replay import bounds
+
+    seq = bounds.flatten(requests)
+    out: list[ReplayResult] = []
+    rows: list[tuple[str, int, bounds.BoundResult]] = []
+    if opt:
+        nxt = bounds.next_uses(seq)
+        rows += [("opt", c, bounds.belady(seq, c, nxt)) for c in capacities]
+    if infinite:
+        inf = bounds.infinite(seq)
+        rows.append(("infinite", inf.stores, inf))
+    for name, capacity, b in rows:
+        out.append(ReplayResult(
+            policy=name, capacity=capacity, store_threshold=1, requests=len(requests),
+            offered_blocks=b.accesses, hit_blocks=b.hits, hit_ratio=b.hit_ratio,
+            stores=b.stores, evictions=b.evictions, stores_skipped=0,
+            allocation_failures=0,
+            bytes_written=b.stores * (1 if block_bytes is None else block_bytes),
+            us_per_key=0.0, writes_per_hit=_per_hit(b.stores, b.hits), driver="bound",
+        ))
+    return out

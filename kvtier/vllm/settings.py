@@ -39,7 +39,7 @@ class KVTierSettings:
     """
 
     cpu_bytes_to_use: int
-    eviction_policy: str = "lru"
+    eviction_policy: str = "default"
     store_threshold: int = 1
     max_tracker_size: int = 64_000
     eviction_history_size: int = 10_000

@@ -1,0 +1,370 @@
+"""PLFU: an adaptive, prefix-aware frequency policy (kvtier's default).
+
+docs/policy.md has the design and the measurements behind it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Container, Iterator, Sequence
+
+from kvtier.policies.base import EvictionPolicy
+
+_Queue = OrderedDict[bytes, None]
+
+_COUNT_CAP = 16
+_CLASSES = _COUNT_CAP.bit_length()
+_CLASS_OF = tuple(max(0, n.bit_length() - 1) for n in range(_COUNT_CAP + 1))
+"""Count class of counts 0..COUNT_CAP: log2(count) rounded down."""
+
+
+
+class PLFUPolicy(EvictionPolicy):
+    """A recency window for new blocks, frequency for proven ones; both balances learned.
+
+    State, every part bounded by ``capacity`` times a constant:
+
+    * ``history``: key -> number of requests that used it, for resident and
+      recently seen keys, at most ``history_factor * capacity`` entries; when
+      it grows past that, every count is halved and zeros are dropped (aging);
+    * the *window* ``R``: resident keys that one request only has used (new
+      blocks, one-off prompts), least recent first;
+    * the *main* segment ``F``: resident keys that two or more requests used,
+      in two orders: least recent first, and by priority ``base + log2(count)``
+      (LFU with dynamic aging: ``base`` rises to the priority of each block the
+      frequency order evicts, so stale counts fade without a tuned period);
+    * ghosts ``G1`` / ``G2``: recent victims of ``R`` / of ``F`` (``G2``
+      remembers whether the recency or the frequency order chose them), each
+      in two generations of ``3/4 capacity`` keys: a full generation becomes
+      the old one and the old one is dropped, so each list reaches back
+      between ``3/4`` and ``3/2 capacity`` victims;
+    * two learned numbers: ``target``, the room ``R`` may keep, at least
+      ``MIN_WINDOW`` of the cache (ARC's rule, with steps that grow with the
+      cache past ``STEP_SCALE`` blocks: a block that comes back from ``G1``
+      raises it, one from ``G2`` lowers it); and ``lfu_share``, the
+      share of ``F``'s victims chosen by frequency (a block that comes back
+      from ``G2`` moves it away from the order that evicted it).
+
+    New blocks enter ``R``, tail first. A block moves to ``F`` when a second
+    request uses it: one that found it resident, or one that stored it again
+    after an eviction (its history remembers the first use). Victims come
+    from ``R`` while it holds more than ``target``, then from ``F`` (least
+    recent or least frequent, mixed by ``lfu_share``), then from whatever is
+    left; so one-off blocks leave first and cannot flush proven ones. A
+    block's count never exceeds its parent's (a request that uses a block
+    uses its whole prefix) and ties go head-first, so eviction takes tails
+    before heads and leaves no orphaned tails. No parameter depends on the
+    trace.
+    """
+
+    name = "plfu"
+    wants_reuse = False  # a reuse shows in the history: a second request's count
+    wants_store_misses = False  # ghosts are looked up on insert
+
+    COUNT_CAP = _COUNT_CAP
+    """Counts above this add no priority (five classes: 1, 2-3, 4-7, 8-15, 16+)."""
+    LEARNING_RATE = 0.02
+    """Step of ``lfu_share`` for each main-segment ghost that comes back."""
+    STEP_SCALE = 8192
+    """ARC moves ``target`` one block per ghost hit; caches larger than this move
+    ``capacity / STEP_SCALE`` blocks, so they adapt in as few hits as this size."""
+    MIN_WINDOW = 1 / 16
+    """The window may always keep this share of the cache (and starts with it)."""
+    MIN_SHARE = 0.02
+    """``lfu_share`` stays in [MIN_SHARE, 1 - MIN_SHARE], so both orders keep learning."""
+
+    def __init__(self, capacity: int, history_factor: int = 8) -> None:
+        super().__init__(capacity)
+        if (isinstance(history_factor, bool) or not isinstance(history_factor, int)
+                or history_factor < 2):
+            raise ValueError(f"history_factor must be an int >= 2, got {history_factor!r}")
+        self.history_limit = history_factor * capacity
+        self._generation = max(1, 3 * capacity // 4)
+        self._min_target = capacity * self.MIN_WINDOW
+        self._step = max(1.0, capacity / self.STEP_SCALE)
+        self._init_state()
+
+    def _init_state(self) -> None:
+        self.history: dict[bytes, int] = {}
+        self._window: _Queue = OrderedDict()
+        self._recent: _Queue = OrderedDict()  # F, least recent first
+        # F by count class c = log2(min(count, COUNT_CAP)), each least recent first;
+        # a key's priority is (base when last used) + c + 1, so the head of each
+        # class has that class's lowest priority
+        self._classes: list[_Queue] = [OrderedDict() for _ in range(_CLASSES)]
+        self._meta: dict[bytes, int] = {}  # F key -> base when last used << 3 | c
+        self._base = 0
+        self._g1: dict[bytes, None] = {}  # G1, current generation
+        self._g1_old: dict[bytes, None] = {}
+        self._g2: dict[bytes, bool] = {}  # G2 -> chosen by the frequency order
+        self._g2_old: dict[bytes, bool] = {}
+        self.target = self._min_target
+        self.lfu_share = 0.5
+        self._carry = 0.0
+
+    # -- introspection -------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self._window) + len(self._meta)
+
+    def sizes(self) -> dict[str, int]:
+        """Entries of each structure (for tests and diagnostics)."""
+        return {
+            "window": len(self._window),
+            "main": len(self._meta),
+            "history": len(self.history),
+            "ghost_window": len(self._g1) + len(self._g1_old),
+            "ghost_main": len(self._g2) + len(self._g2_old),
+        }
+
+    def segment(self, key: bytes) -> str | None:
+        """``"window"``, ``"main"`` or None (not resident)."""
+        if key in self._window:
+            return "window"
+        return "main" if key in self._meta else None
+
+    # -- the contract --------------------------------------------------------
+
+    def insert(self, keys: list[bytes]) -> None:
+        # Every new block starts in the window, tail first so that its head is the
+        # most recent; the request's access (``on_access``) moves a block that an
+        # earlier request used to the main segment.
+        window = self._window
+        for key in reversed(keys):
+            window[key] = None
+
+    def _from_ghost(self, key: bytes) -> None:
+        """A block came back: adapt ``target`` (and ``lfu_share``) if it was a ghost.
+
+        A ghost of the window was used by one request; a ghost of the main
+        segment by more.
+        """
+        g1, g1_old, g2, g2_old = self._g1, self._g1_old, self._g2, self._g2_old
+        if key in g1:
+            del g1[key]
+        elif key in g1_old:
+            del g1_old[key]
+        else:
+            if key in g2:
+                by_lfu = g2.pop(key)
+            elif key in g2_old:
+                by_lfu = g2_old.pop(key)
+            else:
+                return
+            in_g1, in_g2 = len(g1) + len(g1_old), len(g2) + len(g2_old)
+            step = max(1.0, in_g1 / max(1, in_g2)) * self._step
+            self.target = max(self.target - step, self._min_target)
+            share, rate = self.lfu_share, self.LEARNING_RATE
+            share = share - rate * share if by_lfu else share + rate * (1.0 - share)
+            self.lfu_share = min(max(share, self.MIN_SHARE), 1.0 - self.MIN_SHARE)
+            return
+        in_g1, in_g2 = len(g1) + len(g1_old), len(g2) + len(g2_old)
+        step = max(1.0, in_g2 / max(1, in_g1)) * self._step
+        self.target = min(self.target + step, float(self.capacity))
+
+    def remove(self, key: bytes) -> None:
+        if key in self._window:
+            del self._window[key]
+        elif key in self._meta:
+            self._drop_main(key)
+
+    def _drop_main(self, key: bytes) -> int:
+        """Forget a main key; return its priority."""
+        meta = self._meta.pop(key)
+        c = meta & 7
+        del self._classes[c][key]
+        del self._recent[key]
+        return (meta >> 3) + c + 1
+
+    def on_access(self, keys: Sequence[bytes], reused: Container[bytes]) -> None:
+        history, window, recent = self.history, self._window, self._recent
+        metas, classes, class_of = self._meta, self._classes, _CLASS_OF
+        get, rmove, mget = history.get, recent.move_to_end, metas.get
+        g1, g1_old, g2, g2_old = self._g1, self._g1_old, self._g2, self._g2_old
+        base, cap, top = self._base << 3, _COUNT_CAP, _CLASSES - 1
+        for key in reversed(keys):  # tail first: the head ends most recent
+            count = get(key, 0) + 1
+            history[key] = count
+            if count == 1:
+                continue  # a new block: in the window already, in offer order
+            if key in window:  # a second request uses it: to the main segment
+                del window[key]
+                if key in g1 or key in g1_old or key in g2 or key in g2_old:
+                    self._from_ghost(key)
+                c = class_of[count] if count < cap else top
+                classes[c][key] = None
+                metas[key] = base | c
+                recent[key] = None
+                continue
+            meta = mget(key)
+            if meta is None:
+                continue  # not resident
+            rmove(key)
+            c = class_of[count] if count < cap else top
+            old = meta & 7
+            new = base | c
+            if c == old:
+                classes[c].move_to_end(key)
+                if meta != new:
+                    metas[key] = new
+            else:
+                del classes[old][key]
+                classes[c][key] = None
+                metas[key] = new
+        if len(history) > self.history_limit:
+            self._age()
+
+    def _age(self) -> None:
+        """Halve every count, dropping zeros, until the history is half its limit.
+
+        Resident keys keep a count of at least 1, so their next use still
+        counts as a second one (``on_access`` relies on it).
+        """
+        history = self.history
+        while len(history) > self.history_limit // 2:
+            history = {k: c >> 1 for k, c in history.items() if c > 1}
+        keep = history.setdefault
+        for key in self._window:
+            keep(key, 1)
+        for key in self._meta:
+            keep(key, 1)
+        self.history = history
+
+    def evict(self, n: int, protected: Container[bytes]) -> list[bytes] | None:
+        if n <= 0:
+            return []
+        window = self._window
+        if len(window) - self.target >= n:  # the common case: the window alone pays
+            blocked = self.blocked
+            out: list[bytes] = []
+            add = out.append
+            left = n
+            for key in window:
+                if key in blocked or key in protected:
+                    continue
+                add(key)
+                left -= 1
+                if not left:
+                    g1 = self._g1
+                    for victim in out:
+                        del window[victim]
+                        g1[victim] = None
+                    if len(g1) >= self._generation:
+                        self._g1_old, self._g1 = g1, {}
+                    return out
+        if n > len(self):
+            return None
+        return self._evict_mixed(n, protected)
+
+    def _evict_mixed(self, n: int, protected: Container[bytes]) -> list[bytes] | None:
+        """``evict`` when the main segment must pay some of the ``n`` victims."""
+        window_iter = iter(self._window)
+        spare = math.ceil(len(self._window) - self.target)
+        from_window = self._take(window_iter, min(n, spare), protected, ())
+        need = n - len(from_window)
+        by_lfu: list[bytes] = []
+        by_lru: list[bytes] = []
+        carry = self._carry
+        if need:
+            share = need * self.lfu_share + carry
+            n_lfu = int(share)
+            carry = share - n_lfu
+            by_lfu = self._take_lfu(n_lfu, protected, ())
+            taken: Container[bytes] = set(by_lfu) if by_lfu else ()
+            by_lru = self._take(iter(self._recent), need - len(by_lfu), protected, taken)
+            if len(by_lfu) + len(by_lru) < need:  # short of evictable main keys
+                taken = set(by_lfu).union(by_lru)
+                by_lfu += self._take_lfu(need - len(by_lfu) - len(by_lru), protected, taken)
+        short = n - len(from_window) - len(by_lfu) - len(by_lru)
+        if short:
+            from_window += self._take(window_iter, short, protected, ())
+            if len(from_window) < n - len(by_lfu) - len(by_lru):
+                return None
+        self._carry = carry
+        self._retire(from_window, by_lfu, by_lru)
+        return from_window + by_lfu + by_lru
+
+    def _take(self, keys: Iterator[bytes], k: int, protected: Container[bytes],
+              taken: Container[bytes]) -> list[bytes]:
+        """The next ``k`` evictable keys of ``keys`` not in ``taken`` (fewer if it runs out)."""
+        out: list[bytes] = []
+        if k <= 0:
+            return out
+        blocked = self.blocked
+        for key in keys:
+            if key in blocked or key in protected or key in taken:
+                continue
+            out.append(key)
+            if len(out) == k:
+                break
+        return out
+
+    def _take_lfu(self, k: int, protected: Container[bytes],
+                  taken: Container[bytes]) -> list[bytes]:
+        """The ``k`` evictable main keys of lowest priority, lower class first on ties.
+
+        Each class is in priority order already, so this merges the class queues:
+        it takes from the best class while it stays ahead of the runner-up.
+        """
+        out: list[bytes] = []
+        if k <= 0:
+            return out
+        metas, blocked = self._meta, self.blocked
+        iters = [iter(keys) for keys in self._classes]
+        heads: dict[int, tuple[int, bytes]] = {}
+        for c, it in enumerate(iters):
+            for key in it:
+                if key not in blocked and key not in protected and key not in taken:
+                    heads[c] = ((metas[key] >> 3) + c, key)
+                    break
+        while heads:
+            best = min(heads, key=heads.__getitem__)
+            key = heads.pop(best)[1]
+            limit = min(((p, c) for c, (p, _) in heads.items()), default=(1 << 62, 0))
+            out.append(key)
+            if len(out) == k:
+                break
+            for key in iters[best]:
+                if key in blocked or key in protected or key in taken:
+                    continue
+                prio = (metas[key] >> 3) + best
+                if (prio, best) > limit or len(out) == k:
+                    heads[best] = (prio, key)
+                    break
+                out.append(key)
+            if len(out) == k:
+                break
+        return out
+
+    def _retire(self, from_window: list[bytes], by_lfu: list[bytes],
+                by_lru: list[bytes]) -> None:
+        """Remove the victims and remember them as ghosts."""
+        window, g1, g2 = self._window, self._g1, self._g2
+        metas, classes, recent = self._meta, self._classes, self._recent
+        for key in from_window:
+            del window[key]
+            g1[key] = None
+        base = self._base
+        for key in by_lfu:
+            meta = metas.pop(key)
+            c = meta & 7
+            del classes[c][key]
+            del recent[key]
+            prio = (meta >> 3) + c + 1
+            if prio > base:
+                base = prio
+            g2[key] = True
+        self._base = base
+        for key in by_lru:
+            del classes[metas.pop(key) & 7][key]
+            del recent[key]
+            g2[key] = False
+        if len(g1) >= self._generation:
+            self._g1_old, self._g1 = g1, {}
+        if len(g2) >= self._generation:
+            self._g2_old, self._g2 = g2, {}
+
+    def clear(self) -> None:
+        self._init_state()
+        self.blocked.clear()

@@ -1,0 +1,293 @@
+"""The PLFU policy (kvtier.policies.plfu): contract, behaviour, the bundled-trace target."""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import kvtier
+from kvtier import OffloadManager, RequestContext
+from kvtier.policies import DEFAULT_POLICY, POLICIES, PLFUPolicy, make_policy, policy_class
+from kvtier.replay.driver import replay, trace_keys
+from kvtier.replay.trace import BUNDLED_TRACE, load_trace
+
+
+def k(i: int) -> bytes:
+    return kvtier.block_key(i)
+
+
+def ks(ids: range | list[int]) -> list[bytes]:
+    return [k(i) for i in ids]
+
+
+def _store(pol: PLFUPolicy, keys: list[bytes]) -> None:
+    """What the manager does for a granted, completed store of ``keys``."""
+    pol.blocked.update(keys)
+    pol.insert(keys)
+    pol.blocked.difference_update(keys)
+
+
+def _request(pol: PLFUPolicy, keys: list[bytes], room: int | None = None) -> list[bytes]:
+    """One request: evict room for its new keys, store them, apply its access."""
+    new = [key for key in keys if pol.segment(key) is None]
+    victims: list[bytes] = []
+    free = (room if room is not None else pol.capacity) - len(pol)
+    if len(new) > free:
+        out = pol.evict(len(new) - free, set(keys))
+        assert out is not None
+        victims = out
+    _store(pol, new)
+    pol.on_access(keys, set())
+    return victims
+
+
+def _state(pol: PLFUPolicy) -> object:
+    """Everything a failed evict must leave unchanged."""
+    state: dict[str, object] = {
+        "window": list(pol._window), "recent": list(pol._recent), "meta": dict(pol._meta),
+        "classes": [list(c) for c in pol._classes], "g1": (dict(pol._g1), dict(pol._g1_old)),
+        "g2": (dict(pol._g2), dict(pol._g2_old)), "history": dict(pol.history),
+        "numbers": (pol.target, pol.lfu_share, pol._carry, pol._base),
+    }
+    return copy.deepcopy(state)
+
+
+# -- registration ------------------------------------------------------------------
+
+
+def test_registered_and_default_alias() -> None:
+    assert POLICIES["plfu"] is PLFUPolicy
+    assert DEFAULT_POLICY == "plfu"
+    assert policy_class("default") is PLFUPolicy
+    assert isinstance(OffloadManager(8, policy="default").policy, PLFUPolicy)
+    assert isinstance(make_policy("plfu", 3), PLFUPolicy)
+    assert "default" not in POLICIES  # an alias, not a second policy
+
+
+def test_bad_history_factor() -> None:
+    with pytest.raises(ValueError, match="history_factor"):
+        PLFUPolicy(4, history_factor=0)
+
+
+# -- behaviour ---------------------------------------------------------------------
+
+
+def test_new_blocks_enter_window_and_reuse_promotes() -> None:
+    pol = PLFUPolicy(8)
+    _request(pol, ks(range(3)))
+    assert [pol.segment(key) for key in ks(range(3))] == ["window"] * 3
+    _request(pol, ks(range(2)))  # a second request uses the first two
+    assert [pol.segment(key) for key in ks(range(3))] == ["main", "main", "window"]
+    assert pol.history[k(0)] == 2 and pol.history[k(2)] == 1
+
+
+def test_window_tail_leaves_before_head() -> None:
+    pol = PLFUPolicy(4)
+    _request(pol, ks(range(4)))  # one request: head 0 ... tail 3
+    assert pol.evict(2, set()) == [k(3), k(2)]
+
+
+def test_one_off_scan_does_not_flush_reused_blocks() -> None:
+    pol = PLFUPolicy(10)
+    hot = ks(range(4))
+    _request(pol, hot)
+    _request(pol, hot)  # reused: main segment
+    for start in range(100, 400, 5):  # 60 one-off requests of 5 blocks
+        _request(pol, ks(range(start, start + 5)))
+    assert all(pol.segment(key) == "main" for key in hot)
+    lru = OffloadManager(10, policy="lru")
+    for i, keys in enumerate([hot, hot, *[ks(range(s, s + 5)) for s in range(100, 400, 5)]]):
+        ctx = RequestContext(f"r{i}")
+        out = lru.prepare_store(keys, ctx)
+        assert out is not None
+        lru.complete_store(out.keys_to_store, ctx)
+        lru.on_request_finished(ctx)
+    assert not any(lru.contains(key) for key in hot)  # LRU lost them
+
+
+def test_seen_before_block_goes_to_main_when_stored_again() -> None:
+    pol = PLFUPolicy(4)
+    _request(pol, [k(1)])
+    _request(pol, ks([2, 3, 4, 5]))  # evicts 1 (a window ghost)
+    assert pol.segment(k(1)) is None
+    target = pol.target
+    _request(pol, [k(1)])  # offered again: its history says a request used it
+    assert pol.segment(k(1)) == "main"
+    assert pol.target == target + 1  # a window ghost came back: the window may keep more
+
+
+def test_main_ghost_lowers_target_and_teaches_share() -> None:
+    pol = PLFUPolicy(4)
+    pol.target = 3.0
+    for _ in range(2):
+        _request(pol, ks([1, 2]))  # main
+    # fill with reused blocks so the main segment must pay
+    for _ in range(2):
+        _request(pol, ks([3, 4]))
+    _request(pol, ks([5, 6]))  # window is empty: main pays two victims
+    gone = [key for key in ks([1, 2, 3, 4]) if pol.segment(key) is None]
+    assert len(gone) == 2
+    share = pol.lfu_share
+    _request(pol, gone[:1])
+    assert pol.target < 3.0
+    assert pol.lfu_share != share
+
+
+def test_evict_skips_blocked_and_protected_or_fails_atomically() -> None:
+    pol = PLFUPolicy(6)
+    _request(pol, ks(range(3)))
+    _request(pol, ks(range(3)))  # main
+    _request(pol, ks(range(10, 13)))  # window
+    pol.blocked.update([k(10), k(0)])
+    before = _state(pol)
+    assert pol.evict(5, {k(11)}) is None  # only 3 evictable
+    assert _state(pol) == before
+    victims = pol.evict(3, {k(11)})
+    assert victims is not None and len(set(victims)) == 3
+    assert not {k(10), k(0), k(11)} & set(victims)
+    assert len(pol) == 3
+    assert pol.evict(0, set()) == []
+
+
+def test_remove_and_clear() -> None:
+    pol = PLFUPolicy(4)
+    _request(pol, ks([1, 2]))
+    _request(pol, ks([1]))
+    pol.remove(k(1))
+    pol.remove(k(2))
+    pol.remove(k(9))  # unknown: ignored
+    assert len(pol) == 0
+    _request(pol, ks([3]))
+    pol.blocked.add(k(3))
+    pol.clear()
+    assert len(pol) == 0 and not pol.blocked and not pol.history
+    assert pol.sizes()["ghost_window"] == 0
+
+
+def test_history_is_aged_and_bounded() -> None:
+    pol = PLFUPolicy(4, history_factor=2)  # at most 8 entries
+    for i in range(200):
+        _request(pol, [k(i)])
+        assert len(pol.history) <= 8
+    sizes = pol.sizes()
+    assert sizes["window"] + sizes["main"] == len(pol) <= 4
+    assert sizes["ghost_window"] <= 2 * 4 and sizes["ghost_main"] <= 2 * 4
+
+
+# -- the contract under random use ---------------------------------------------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 12), st.lists(st.tuples(st.integers(0, 5), st.lists(
+    st.integers(0, 30), min_size=1, max_size=8)), max_size=60), st.integers(0, 2**32))
+def test_random_operations_keep_the_contract(capacity: int, ops: list, seed: int) -> None:
+    rng = random.Random(seed)
+    pol = PLFUPolicy(capacity, history_factor=2)
+    resident: set[bytes] = set()
+    for op, ids in ops:
+        keys = list(dict.fromkeys(ks(ids)))
+        if op <= 1:  # store what is new, making room
+            new = [key for key in keys if key not in resident][:capacity]
+            need = len(new) - (capacity - len(resident))
+            if need > 0:
+                before = _state(pol)
+                victims = pol.evict(need, set(keys))
+                if victims is None:
+                    assert _state(pol) == before
+                    continue
+                assert len(victims) == need == len(set(victims))
+                assert set(victims) <= resident
+                assert not set(victims) & (pol.blocked | set(keys))
+                resident.difference_update(victims)
+            pol.blocked.update(new)
+            pol.insert(new)
+            resident.update(new)
+            pol.blocked.difference_update([key for key in new if rng.random() < 0.8])
+        elif op == 2:  # an access, some keys not resident
+            pol.on_access(keys, set())
+        elif op == 3 and resident:  # pin or unpin
+            key = rng.choice(sorted(resident))
+            pol.blocked.symmetric_difference_update([key])
+        elif op == 4 and resident:  # a failed store
+            key = rng.choice(sorted(resident))
+            pol.remove(key)
+            pol.blocked.discard(key)
+            resident.discard(key)
+        elif op == 5:
+            n = rng.randint(0, capacity + 1)
+            protected = set(rng.sample(sorted(resident), min(len(resident), 2)))
+            evictable = resident - pol.blocked - protected
+            before = _state(pol)
+            victims = pol.evict(n, protected)
+            if victims is None:
+                assert n > len(evictable)
+                assert _state(pol) == before
+            else:
+                assert len(victims) == n == len(set(victims)) and set(victims) <= evictable
+                resident.difference_update(victims)
+        assert len(pol) == len(resident)
+        assert {key for key in resident if pol.segment(key) is None} == set()
+        assert len(pol.history) <= pol.history_limit
+        sizes = pol.sizes()
+        assert sizes["ghost_window"] <= 2 * capacity + 8
+        assert sizes["ghost_main"] <= 2 * capacity + 8
+        assert 0.0 <= pol.target <= capacity
+        assert pol.MIN_SHARE <= pol.lfu_share <= 1 - pol.MIN_SHARE
+
+
+def test_manager_with_plfu_pins_leases_and_failures() -> None:
+    mgr = OffloadManager(16, policy="plfu", max_leases_per_request=16, max_leased_blocks=16)
+    rng = random.Random(7)
+    for i in range(400):
+        keys = ks(range(rng.randint(0, 3) * 10, rng.randint(0, 3) * 10 + rng.randint(1, 8)))
+        ctx = RequestContext(f"r{i}")
+        ctx.set_positions(keys, 16, 16)
+        n = mgr.lookup(keys, ctx)
+        if n:
+            mgr.prepare_load(keys[:n], ctx)
+        out = mgr.prepare_store(keys, ctx)
+        if out is not None and out.keys_to_store:
+            mgr.complete_store(out.keys_to_store, ctx, success=rng.random() < 0.9)
+        if n:
+            mgr.complete_load(keys[:n], ctx)
+        mgr.on_request_finished(ctx)
+        stats = mgr.stats()
+        assert stats["resident"] + stats["free"] == 16
+        assert mgr.debug_state()["policy_size"] == stats["resident"]
+
+
+# -- the bundled trace -----------------------------------------------------------------
+
+
+def test_beats_lru_by_half_again_on_bundled_trace_at_1000() -> None:
+    keys = trace_keys(load_trace(BUNDLED_TRACE))
+    lru = replay(keys, 1_000, "lru")
+    mine = replay(keys, 1_000, "default")
+    assert mine.hit_ratio >= 1.5 * lru.hit_ratio, (mine.hit_ratio, lru.hit_ratio)
+    assert mine.hit_ratio >= 0.067
+    assert mine.allocation_failures == 0
+
+
+def test_aging_keeps_resident_blocks_counted() -> None:
+    pol = PLFUPolicy(4, history_factor=2)  # history of at most 8 keys
+    _request(pol, [k(1)])
+    pol.on_access(ks(range(100, 120)), set())  # 20 keys seen elsewhere: aging drops 1s
+    assert pol.history.get(k(1)) == 1 and len(pol.history) <= 8
+    pol.on_access([k(1)], set())  # its second use still promotes it
+    assert pol.segment(k(1)) == "main"
+
+
+def test_main_segment_evicts_tails_before_heads() -> None:
+    pol = PLFUPolicy(6)
+    pol.target = 0.0
+    chain = ks(range(6))
+    _request(pol, chain)
+    _request(pol, chain)  # all six in main, head most recent
+    pol.lfu_share = 1.0 - pol.MIN_SHARE
+    assert pol.evict(3, set()) == chain[:2:-1]  # 5, 4, 3: the tail
+    pol.lfu_share = pol.MIN_SHARE
+    assert pol.evict(2, set()) == [k(2), k(1)]
