@@ -62,6 +62,53 @@ class ReplayResult:
         """The fields as a JSON-ready dict, in declaration order."""
         return asdict(self)
 
+    @classmethod
+    def from_manager(
+        cls,
+        mgr: OffloadManager,
+        requests: Sequence[list[bytes]],
+        hits: int,
+        seconds: float,
+        block_bytes: int | None,
+        **extra: Any,
+    ) -> ReplayResult:
+        """The figures of a finished replay of ``requests`` through ``mgr``."""
+        offered = sum(map(len, requests))
+        stats = mgr.stats()
+        return cls(
+            policy=extra.pop("policy"),
+            capacity=mgr.num_blocks,
+            store_threshold=mgr.store_threshold,
+            requests=len(requests),
+            offered_blocks=offered,
+            hit_blocks=hits,
+            hit_ratio=hits / offered if offered else 0.0,
+            stores=stats["stores"],
+            evictions=stats["evictions"],
+            stores_skipped=stats["stores_skipped"],
+            allocation_failures=stats["allocation_failures"],
+            bytes_written=stats["stores"] * (1 if block_bytes is None else block_bytes),
+            us_per_key=seconds / offered * 1e6 if offered else 0.0,
+            writes_per_hit=_per_hit(stats["stores"], hits),
+            **extra,
+        )
+
+
+def replay_manager(
+    capacity: int, policy: str, store_threshold: int, max_tracker_size: int
+) -> OffloadManager:
+    """A manager for a replay: lease bounds raised to the whole cache.
+
+    The bounds guard against many abandoned concurrent requests (by default
+    half the cache in total); in a replay they would only cut a request's
+    prefix hit short.
+    """
+    return OffloadManager(
+        capacity, policy=policy, store_threshold=store_threshold,
+        max_tracker_size=max_tracker_size,
+        max_leases_per_request=capacity, max_leased_blocks=capacity,
+    )
+
 
 def trace_keys(requests: Iterable[TraceRequest], group: int = 0) -> list[list[bytes]]:
     """Each request's block keys, in order; equal hash ids share one key object."""
@@ -131,36 +178,12 @@ def replay(
 ) -> ReplayResult:
     """Replay ``requests`` (block keys, see ``trace_keys``) through a fresh manager.
 
-    Requests run one at a time, so the manager's lease bounds (which guard
-    against many abandoned concurrent requests; by default half the cache in
-    total) are raised to the whole cache: a lone request's prefix hit is never
-    cut short by them. Raises ``ValueError`` for an unknown policy or bad
-    manager parameters.
+    Requests run one at a time (lease bounds: see ``replay_manager``). Raises
+    ``ValueError`` for an unknown policy or bad manager parameters.
     """
-    mgr = OffloadManager(
-        capacity, policy=policy, store_threshold=store_threshold,
-        max_tracker_size=max_tracker_size,
-        max_leases_per_request=capacity, max_leased_blocks=capacity,
-    )
+    mgr = replay_manager(capacity, policy, store_threshold, max_tracker_size)
     hits, seconds = _run(mgr, requests, progress)
-    offered = sum(map(len, requests))
-    stats = mgr.stats()
-    return ReplayResult(
-        policy=policy,
-        capacity=capacity,
-        store_threshold=store_threshold,
-        requests=len(requests),
-        offered_blocks=offered,
-        hit_blocks=hits,
-        hit_ratio=hits / offered if offered else 0.0,
-        stores=stats["stores"],
-        evictions=stats["evictions"],
-        stores_skipped=stats["stores_skipped"],
-        allocation_failures=stats["allocation_failures"],
-        bytes_written=stats["stores"] * (1 if block_bytes is None else block_bytes),
-        us_per_key=seconds / offered * 1e6 if offered else 0.0,
-        writes_per_hit=_per_hit(stats["stores"], hits),
-    )
+    return ReplayResult.from_manager(mgr, requests, hits, seconds, block_bytes, policy=policy)
 
 
 def _per_hit(stores: int, hits: int) -> float | None:

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from kvtier.manager import OffloadManager
-from kvtier.replay.driver import ProgressCallback, ReplayResult, _per_hit
+from kvtier.replay.driver import PROGRESS_EVERY, ProgressCallback, ReplayResult, replay_manager
 from kvtier.replay.trace import MOONCAKE_BLOCK_TOKENS
 from kvtier.request import RequestContext
 
@@ -268,37 +268,16 @@ def replay_engine(
     key. Pass ``stats`` to receive the driver's own counters (and, with
     ``record_events``, the ``(step, what, request)`` log).
     """
-    from kvtier.replay.driver import PROGRESS_EVERY
-
     config = config or EngineConfig()
-    mgr = OffloadManager(
-        capacity, policy=policy, store_threshold=store_threshold,
-        max_tracker_size=max_tracker_size,
-        max_leases_per_request=capacity, max_leased_blocks=capacity,
-    )
+    mgr = replay_manager(capacity, policy, store_threshold, max_tracker_size)
     engine = _Engine(mgr, requests, config, record_events)
     engine.run(progress, PROGRESS_EVERY)
     if stats is not None:
         for name in EngineStats.__slots__:
             setattr(stats, name, getattr(engine.stats, name))
-    offered = sum(map(len, requests))
-    s = mgr.stats()
-    hits = engine.stats.hits
-    return ReplayResult(
+    return ReplayResult.from_manager(
+        mgr, requests, engine.stats.hits, engine.stats.manager_seconds, block_bytes,
         policy=policy,
-        capacity=capacity,
-        store_threshold=store_threshold,
-        requests=len(requests),
-        offered_blocks=offered,
-        hit_blocks=hits,
-        hit_ratio=hits / offered if offered else 0.0,
-        stores=s["stores"],
-        evictions=s["evictions"],
-        stores_skipped=s["stores_skipped"],
-        allocation_failures=s["allocation_failures"],
-        bytes_written=s["stores"] * (1 if block_bytes is None else block_bytes),
-        us_per_key=engine.stats.manager_seconds / offered * 1e6 if offered else 0.0,
-        writes_per_hit=_per_hit(s["stores"], hits),
         driver="engine",
         concurrency=config.concurrency,
         preemptions=engine.stats.preemptions,

@@ -58,7 +58,7 @@ from typing import Literal
 from kvtier.errors import KVTierError
 from kvtier.events import Event
 from kvtier.keys import check_keys
-from kvtier.tiers.blockfile import BytesLike
+from kvtier.tiers.blockfile import BytesLike, byte_view
 
 TierEventKind = Literal["stored", "removed", "corrupt", "breaker_open", "breaker_closed"]
 
@@ -212,6 +212,15 @@ class Tier(ABC):
 def check_batch(keys: Sequence[bytes], what: str = "keys") -> list[bytes]:
     """``keys`` as a list of bytes keys (``TypeError`` otherwise)."""
     return check_keys(keys, what)
+
+
+def check_items(items: Sequence[tuple[bytes, BytesLike]]) -> tuple[list[bytes], list[memoryview]]:
+    """The keys and byte views of ``put``'s ``(key, payload)`` pairs (``TypeError`` otherwise)."""
+    if isinstance(items, (bytes, str)):
+        raise TypeError("items must be a sequence of (key, payload) pairs")
+    pairs = list(items)
+    keys = check_batch([k for k, _ in pairs])
+    return keys, [byte_view(p) for _, p in pairs]
 
 
 def check_buffers(keys: list[bytes], buffers: Sequence[BytesLike]) -> None:

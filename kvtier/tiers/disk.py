@@ -63,6 +63,7 @@ from kvtier.tiers.base import (
     WarningLimiter,
     check_batch,
     check_buffers,
+    check_items,
 )
 from kvtier.tiers.blockfile import BytesLike, CorruptBlockError
 from kvtier.tiers.namespace import check_namespace
@@ -559,11 +560,7 @@ class DiskTier(Tier):
     def put(self, items: Sequence[tuple[bytes, BytesLike]]) -> list[bool]:
         """Store blocks; see the module docstring for capacity and free space."""
         self._check_open()
-        if isinstance(items, (bytes, str)):
-            raise TypeError("items must be a sequence of (key, payload) pairs")
-        pairs = list(items)
-        keys = check_batch([k for k, _ in pairs])
-        views = [blockfile.byte_view(p) for _, p in pairs]
+        keys, views = check_items(items)
         for key, view in zip(keys, views, strict=True):
             self._check_key(key)
             if self.max_block_bytes is not None and view.nbytes > self.max_block_bytes:

@@ -59,6 +59,7 @@ from kvtier.tiers.base import (
     WarningLimiter,
     check_batch,
     check_buffers,
+    check_items,
 )
 from kvtier.tiers.blockfile import BytesLike, CorruptBlockError
 from kvtier.tiers.breaker import BreakerState, CircuitBreaker
@@ -398,11 +399,7 @@ class RedisTier(Tier):
     def put(self, items: Sequence[tuple[bytes, BytesLike]]) -> list[bool]:
         """Store blocks (SET, or SET PX ``ttl_s``), one pipeline per batch."""
         self._check_open()
-        if isinstance(items, (bytes, str)):
-            raise TypeError("items must be a sequence of (key, payload) pairs")
-        pairs = list(items)
-        keys = check_batch([k for k, _ in pairs])
-        views = [blockfile.byte_view(p) for _, p in pairs]
+        keys, views = check_items(items)
         if self.max_block_bytes is not None:
             for view in views:
                 if view.nbytes > self.max_block_bytes:
