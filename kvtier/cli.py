@@ -4,7 +4,7 @@
                   [--store-threshold K[,K...]] [--max-tracker-size N]
                   [--block-bytes B] [--bounds] [--plot OUT.png] [--json] [--no-progress]
                   [--driver sequential|engine] [--concurrency N] [--max-delay N]
-                  [--preempt P] [--seed N]
+                  [--preempt P] [--seed N] [--disk-blocks N] [--limit-requests M]
     kvtier generate KIND [--seed N] [--requests M] -o OUT.jsonl
     kvtier demo [--conversations N] [--turns N] [--repeats N] [--cpu-bytes B]
                 [--model-dir DIR] [--json]
@@ -112,6 +112,12 @@ def _add_replay(commands: Any) -> None:
     p.add_argument("--preempt", type=float, default=0.0, metavar="P",
                    help="engine driver: probability a request is preempted (default 0)")
     p.add_argument("--seed", type=int, default=0, help="engine driver: random seed")
+    p.add_argument("--disk-blocks", type=positive_int, default=None, metavar="N",
+                   help="replay through the tier cascade, CPU slots then a real disk tier "
+                   "of N blocks (write-through), and report hit_ratio, cpu_hit_ratio and "
+                   "disk_hit_ratio (sequential order; no --bounds/--plot)")
+    p.add_argument("--limit-requests", type=positive_int, default=None, metavar="M",
+                   help="replay only the first M requests of the trace")
     p.set_defaults(func=cmd_replay)
 
 
@@ -330,7 +336,11 @@ def cmd_replay(args: argparse.Namespace) -> int:
     _check_engine_options(args)
     path: Path = args.trace if args.trace is not None else BUNDLED_TRACE
     keys = load_keys(path)
+    if args.limit_requests is not None:
+        keys = keys[: args.limit_requests]
     policies = [p for p in args.policy if p not in BOUNDS]
+    if args.disk_blocks is not None:
+        return _cmd_replay_tiered(args, path, keys, policies)
     bounds = [b for b in BOUNDS if b in args.policy or args.bounds]
     grid = list(itertools.product(policies, args.capacity, args.store_threshold))
     out = _formatter(args, path, keys)
@@ -356,6 +366,52 @@ def cmd_replay(args: argparse.Namespace) -> int:
         progress.close()
     if args.plot is not None:
         _plot(results, args.plot, path)
+    return 0
+
+
+TIERED_COLUMNS = ("policy", "capacity", "disk", "threshold", "hit ratio", "cpu hit",
+                  "disk hit", "seconds")
+
+
+def _cmd_replay_tiered(args: argparse.Namespace, path: Path, keys: list[list[bytes]],
+                       policies: list[str]) -> int:
+    """``kvtier replay --disk-blocks N``: each policy x capacity x threshold through
+    CPU slots + a disk tier (``kvtier.replay.tiered``)."""
+    from kvtier.replay.tiered import replay_tiered
+
+    if args.driver != "sequential" or args.bounds or args.plot is not None or not policies:
+        raise CommandError("--disk-blocks runs the sequential driver over real policies "
+                           "only (no --driver engine, --bounds, --plot, opt or infinite)")
+    grid = list(itertools.product(policies, args.capacity, args.store_threshold))
+    progress = make_progress(len(grid) * len(keys), not args.no_progress)
+    widths = [max(len(TIERED_COLUMNS[0]), *map(len, policies)), *map(len, TIERED_COLUMNS[1:])]
+    widths[1] = max(widths[1], len(str(max(args.capacity))))
+    widths[2] = max(widths[2], len(str(args.disk_blocks)))
+    try:
+        if not args.json:
+            progress.write("  ".join([TIERED_COLUMNS[0].ljust(widths[0])] + [
+                h.rjust(w) for h, w in zip(TIERED_COLUMNS[1:], widths[1:], strict=True)]))
+        for policy, capacity, threshold in grid:
+            progress.describe(f"{policy} {capacity}+{args.disk_blocks} k={threshold}")
+            try:
+                r = replay_tiered(keys, capacity, args.disk_blocks, policy,
+                                  store_threshold=threshold,
+                                  max_tracker_size=args.max_tracker_size,
+                                  progress=progress.update)
+            except ProtocolError:
+                raise
+            except ValueError as exc:
+                raise CommandError(str(exc)) from None
+            if args.json:
+                progress.write(json.dumps({**r.to_dict(), "trace": str(path)}))
+            else:
+                cells = (str(r.capacity), str(r.disk_blocks), str(r.store_threshold),
+                         f"{r.hit_ratio:.4f}", f"{r.cpu_hit_ratio:.4f}",
+                         f"{r.disk_hit_ratio:.4f}", f"{r.seconds:.1f}")
+                progress.write("  ".join([r.policy.ljust(widths[0])] + [
+                    c.rjust(w) for c, w in zip(cells, widths[1:], strict=True)]))
+    finally:
+        progress.close()
     return 0
 
 

@@ -26,10 +26,13 @@ REPO = str(Path(__file__).parent.parent)
 OFFLOADED_TOKENS = 192  # PROMPT: 200 tokens, 6 full blocks of 32
 
 
-def run_engine(model: Path, disk: Path) -> dict[str, Any]:
+def run_engine(model: Path, disk: Path | None, redis_url: str | None = None) -> dict[str, Any]:
     env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING",
            "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    out = subprocess.run([sys.executable, HELPER, str(model), str(disk)], capture_output=True,
+    args = [sys.executable, HELPER, str(model), "-" if disk is None else str(disk)]
+    if redis_url is not None:
+        args.append(redis_url)
+    out = subprocess.run(args, capture_output=True,
                          text=True, timeout=300, cwd=REPO, env=env, check=False)
     assert out.returncode == 0, out.stderr[-4000:]
     line = next(x for x in out.stdout.splitlines() if x.startswith("RESULT "))
@@ -50,6 +53,26 @@ def test_second_engine_is_served_from_the_disk_tier(tmp_path: Path) -> None:
     assert second["cascade"]["promotion_failures"] == 0
     assert second["tokens"] == first["tokens"]
     assert second["cascade"]["cascade_writes"] == 0  # the disk held every block already
+
+
+def test_second_engine_is_served_from_the_redis_tier(tmp_path: Path) -> None:
+    from kvtier.tiers.redis_server import RedisServer, find_server_binary
+
+    if find_server_binary() is None:
+        pytest.skip("no redis-server binary")
+    pytest.importorskip("redis")
+    model = build_tiny_llama(tmp_path / "tiny-llama")
+    with RedisServer() as server:
+        first = run_engine(model, None, server.url)
+        assert first["cached"] == 0
+        assert first["cascade"]["cascade_writes"] >= OFFLOADED_TOKENS // 32
+        assert first["cascade"]["dropped_writes"] == 0
+        second = run_engine(model, None, server.url)
+    assert second["cached"] >= OFFLOADED_TOKENS
+    assert second["cascade"]["promotions"] >= OFFLOADED_TOKENS // 32
+    assert second["cascade"]["promotion_failures"] == 0
+    assert second["tokens"] == first["tokens"]
+    assert second["cascade"]["cascade_writes"] == 0  # Redis held every block already
 
 
 # ---------------------------------------------------------------- vLLM settings

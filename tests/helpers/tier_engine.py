@@ -1,9 +1,10 @@
 """One vLLM engine process for tests/test_vllm_tiers.py.
 
-``python tests/helpers/tier_engine.py MODEL DISK_PATH`` starts a single-process
-engine with kvtier and a disk tier under DISK_PATH, generates the test prompt
+``python tests/helpers/tier_engine.py MODEL DISK_PATH [REDIS_URL]`` starts a
+single-process engine with kvtier and a disk tier under DISK_PATH (``-``: no
+disk tier) and, with REDIS_URL, a Redis tier; it generates the test prompt
 once (greedy), waits for the cascade's writes, stops, and prints one JSON
-object: token ids, num_cached_tokens, the cascade's and the disk tier's stats.
+object: token ids, num_cached_tokens, the cascade's and its first tier's stats.
 """
 
 from __future__ import annotations
@@ -23,7 +24,12 @@ PROMPT = token_prompt(200)
 
 def main() -> None:
     model, disk_path = sys.argv[1], sys.argv[2]
-    extra = E.kvtier_config(64 << 20, disk_path=disk_path, disk_bytes=64 << 20)
+    tiers: dict[str, object] = {}
+    if disk_path != "-":
+        tiers.update(disk_path=disk_path, disk_bytes=64 << 20)
+    if len(sys.argv) > 3:
+        tiers["redis_url"] = sys.argv[3]
+    extra = E.kvtier_config(64 << 20, **tiers)
     llm = E.start_engine(model, extra)
     try:
         core = llm.llm_engine.engine_core.engine_core  # type: ignore[attr-defined]
