@@ -399,6 +399,13 @@ class OffloadManager:
         return victims
 
     def _allocate(self, keys: list[bytes], ctx: RequestContext) -> list[int]:
+        slots = self._take_slots(keys)
+        ctx.inserted.update(keys)
+        ctx.writing.update(keys)
+        return slots
+
+    def _take_slots(self, keys: list[bytes]) -> list[int]:
+        """Give distinct new ``keys`` free slots, WRITING (room was made already)."""
         free = self._free
         slots = free[-len(keys):]
         del free[-len(keys):]
@@ -407,8 +414,6 @@ class OffloadManager:
         self._writing.update(keys)
         self._blocked.update(keys)
         self.policy.insert(keys)
-        ctx.inserted.update(keys)
-        ctx.writing.update(keys)
         return slots
 
     def complete_store(
@@ -475,14 +480,7 @@ class OffloadManager:
         if evicted is None:
             self.allocation_failures += 1
             return None
-        free = self._free
-        slots = free[-len(unique):]
-        del free[-len(unique):]
-        slots.reverse()
-        self._slot.update(zip(unique, slots, strict=True))
-        self._writing.update(unique)
-        self._blocked.update(unique)
-        self.policy.insert(unique)
+        slots = self._take_slots(unique)
         self._reserved.update(unique)
         by_key = dict(zip(unique, slots, strict=True))
         return [by_key[k] for k in keys]
