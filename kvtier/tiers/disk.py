@@ -401,8 +401,8 @@ class DiskTier(Tier):
         return True
 
     def _evict_locked(self, need: int, free_deficit: int = 0) -> tuple[list[bytes], int]:
-        """Pop LRU keys until ``need`` more bytes fit and ``free_deficit`` bytes are
-        freed; returns the victims (to unlink outside the lock) and bytes freed."""
+        """Pop and unlink LRU blocks until ``need`` more bytes fit and ``free_deficit``
+        bytes are freed; returns the victims (to report outside the lock) and bytes freed."""
         victims: list[bytes] = []
         freed = 0
         index = self._index
@@ -414,16 +414,18 @@ class DiskTier(Tier):
             self._indexed_bytes -= acct
             freed += acct
             victims.append(key)
+            # Unlinked under the lock: done later, it could remove the file of a
+            # newer store of the same key that another thread made meanwhile.
+            _unlink_quietly(self._file(key))
             if self._scanning:
                 self._scan_removed.add(key)
                 self._scan_added.pop(key, None)
         return victims, freed
 
     def _remove_victims(self, victims: list[bytes]) -> None:
+        """Count and report blocks ``_evict_locked`` removed."""
         if not victims:
             return
-        for key in victims:
-            _unlink_quietly(self._file(key))
         self._counters.add("evictions", len(victims))
         self._events.emit("removed", victims, "evicted")
 
@@ -450,7 +452,8 @@ class DiskTier(Tier):
     def _adopt(self, key: bytes, size: int) -> None:
         """Index a block another engine wrote."""
         with self._lock:
-            if key in self._index or key in self._pending:
+            # Checked under the lock: a block this process evicted meanwhile is gone.
+            if key in self._index or key in self._pending or not os.path.exists(self._file(key)):
                 return
             self._insert_locked(key, _alloc(size))
             victims, _ = self._evict_locked(0)
@@ -520,8 +523,8 @@ class DiskTier(Tier):
             if key in self._index:
                 self._index.move_to_end(key)
                 adopted = False
-            else:
-                adopted = key not in self._pending
+            else:  # a file we did not index: another engine's, unless we evicted it meanwhile
+                adopted = key not in self._pending and os.path.exists(path)
                 if adopted:
                     self._insert_locked(key, _alloc(st.st_size))
             victims = self._evict_locked(0)[0] if adopted else []
@@ -677,10 +680,10 @@ class DiskTier(Tier):
         for key in keys:
             if len(key) > MAX_DISK_KEY_BYTES:
                 continue
-            with self._lock:
+            with self._lock:  # unlink under the lock, as in _evict_locked
                 self._forget_locked(key)
-            if _unlink_quietly(self._file(key)):
-                removed.append(key)
+                if _unlink_quietly(self._file(key)):
+                    removed.append(key)
         self._events.emit("removed", removed, "deleted")
         return len(removed)
 
