@@ -285,13 +285,18 @@ class OffloadManager:
             self._check_owed_loads(keys, ctx)
         if stale_left is not None:
             ctx.stale_loads = stale_left
-        pins, blocked, leases = self._pins, self._blocked, self._lease_count
         for key in keys:
             left = loading[key] - 1
             if left:
                 loading[key] = left
             else:
                 del loading[key]
+        self._drop_pins(keys)
+
+    def _drop_pins(self, keys: Iterable[bytes]) -> None:
+        """Release one pin of each key (a key repeated is released that often)."""
+        pins, blocked, leases = self._pins, self._blocked, self._lease_count
+        for key in keys:
             left = pins[key] - 1
             if left:
                 pins[key] = left
@@ -541,8 +546,8 @@ class OffloadManager:
     def unpin_internal(self, keys: Iterable[bytes]) -> None:
         """Undo ``pin_internal``; keys without an internal pin (e.g. after a
         ``reset()``) are ignored."""
-        pins, internal = self._pins, self._internal_pins
-        blocked, leases = self._blocked, self._lease_count
+        internal = self._internal_pins
+        released: list[bytes] = []
         for key in check_keys(keys):
             n = internal.get(key, 0)
             if not n:
@@ -551,13 +556,8 @@ class OffloadManager:
                 del internal[key]
             else:
                 internal[key] = n - 1
-            left = pins[key] - 1
-            if left:
-                pins[key] = left
-            else:
-                del pins[key]
-                if key not in leases:
-                    blocked.discard(key)
+            released.append(key)
+        self._drop_pins(released)
 
     # -- recency -----------------------------------------------------------
 

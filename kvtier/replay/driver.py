@@ -9,7 +9,7 @@ for storing and completes the stores it was granted; finishes the request.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -150,20 +150,29 @@ def _run(
     clock = time.perf_counter
     hits = 0
     elapsed = 0.0
+    for keys, ctx in request_contexts(requests, progress):
+        start = clock()
+        hits += _replay_one(mgr, keys, ctx)
+        elapsed += clock() - start
+    return hits, elapsed
+
+
+def request_contexts(
+    requests: Sequence[list[bytes]], progress: ProgressCallback | None
+) -> Iterator[tuple[list[bytes], RequestContext]]:
+    """Each request's keys with a fresh context (trace block positions set),
+    reporting progress every ``PROGRESS_EVERY`` requests and at the end."""
     pending = 0
     for i, keys in enumerate(requests):
         ctx = RequestContext(f"req-{i}")
         ctx.set_positions(keys, MOONCAKE_BLOCK_TOKENS, MOONCAKE_BLOCK_TOKENS)
-        start = clock()
-        hits += _replay_one(mgr, keys, ctx)
-        elapsed += clock() - start
+        yield keys, ctx
         pending += 1
         if progress is not None and pending == PROGRESS_EVERY:
             progress(pending)
             pending = 0
     if progress is not None and pending:
         progress(pending)
-    return hits, elapsed
 
 
 def replay(

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from kvtier.manager import OffloadManager
-from kvtier.replay.driver import PROGRESS_EVERY, ProgressCallback
+from kvtier.replay.driver import ProgressCallback, request_contexts
 from kvtier.replay.trace import MOONCAKE_BLOCK_TOKENS
 from kvtier.request import RequestContext
 from kvtier.results import LookupResult
@@ -178,17 +178,8 @@ def replay_tiered(
                                   promotion_timeout_s=PROMOTION_TIMEOUT_S)
             try:
                 r = _Replayer(cascade, region)
-                pending = 0
-                for i, keys in enumerate(requests):
-                    ctx = RequestContext(f"req-{i}")
-                    ctx.set_positions(keys, MOONCAKE_BLOCK_TOKENS, MOONCAKE_BLOCK_TOKENS)
+                for keys, ctx in request_contexts(requests, progress):
                     r.request(keys, ctx)
-                    pending += 1
-                    if progress is not None and pending == PROGRESS_EVERY:
-                        progress(pending)
-                        pending = 0
-                if progress is not None and pending:
-                    progress(pending)
                 cascade.drain(PROMOTION_TIMEOUT_S)
                 cstats = cascade.stats()
             finally:
