@@ -4,7 +4,9 @@
                   [--store-threshold K[,K...]] [--max-tracker-size N]
                   [--block-bytes B] [--bounds] [--plot OUT.png] [--json] [--no-progress]
                   [--driver sequential|engine] [--concurrency N] [--max-delay N]
-                  [--preempt P] [--seed N] [--disk-blocks N] [--limit-requests M]
+                  [--preempt P] [--seed N] [--disk-blocks N]
+                  [--disk-store-threshold K[,K...]] [--disk-write-policy store|evict[,...]]
+                  [--limit-requests M]
     kvtier generate KIND [--seed N] [--requests M] -o OUT.jsonl
     kvtier demo [--conversations N] [--turns N] [--repeats N] [--cpu-bytes B]
                 [--model-dir DIR] [--json]
@@ -56,6 +58,18 @@ def name_list(text: str) -> list[str]:
     if not all(names):
         raise argparse.ArgumentTypeError(f"empty name in {text!r}")
     return list(dict.fromkeys(names))
+
+
+def write_policy_list(text: str) -> list[str]:
+    """Parse ``store|evict[,...]``, the tier cascade's write policies (argparse type)."""
+    from kvtier.tiers.cascade import WRITE_POLICIES  # numpy and the tiers: only when used
+
+    names = name_list(text)
+    bad = [n for n in names if n not in WRITE_POLICIES]
+    if bad:
+        raise argparse.ArgumentTypeError(
+            f"unknown write policy {bad[0]!r} (choose from {', '.join(WRITE_POLICIES)})")
+    return names
 
 
 # -- parser --------------------------------------------------------------------
@@ -114,8 +128,16 @@ def _add_replay(commands: Any) -> None:
     p.add_argument("--seed", type=int, default=0, help="engine driver: random seed")
     p.add_argument("--disk-blocks", type=positive_int, default=None, metavar="N",
                    help="replay through the tier cascade, CPU slots then a real disk tier "
-                   "of N blocks (write-through), and report hit_ratio, cpu_hit_ratio and "
-                   "disk_hit_ratio (sequential order; no --bounds/--plot)")
+                   "of N blocks (write-through unless --disk-write-policy evict), and "
+                   "report hit_ratio, cpu_hit_ratio and disk_hit_ratio (sequential order; "
+                   "no --bounds/--plot)")
+    p.add_argument("--disk-store-threshold", type=int_list, default=None, metavar="K[,K...]",
+                   help="with --disk-blocks: requests that must use a block (hit it or "
+                   "offer it) before it is written to disk (default 1)")
+    p.add_argument("--disk-write-policy", type=write_policy_list, default=None,
+                   metavar="store|evict[,...]",
+                   help="with --disk-blocks: 'store' writes admitted blocks through on "
+                   "store (default), 'evict' writes them when the CPU tier evicts them")
     p.add_argument("--limit-requests", type=positive_int, default=None, metavar="M",
                    help="replay only the first M requests of the trace")
     p.set_defaults(func=cmd_replay)
@@ -334,6 +356,10 @@ def cmd_replay(args: argparse.Namespace) -> int:
     """Run every policy x capacity x threshold over the trace and print the results."""
     check_policies(args.policy)
     _check_engine_options(args)
+    if args.disk_blocks is None:
+        for option in ("--disk-store-threshold", "--disk-write-policy"):
+            if getattr(args, option[2:].replace("-", "_")) is not None:
+                raise CommandError(f"{option} needs --disk-blocks")
     path: Path = args.trace if args.trace is not None else BUNDLED_TRACE
     keys = load_keys(path)
     if args.limit_requests is not None:
@@ -369,20 +395,24 @@ def cmd_replay(args: argparse.Namespace) -> int:
     return 0
 
 
-TIERED_COLUMNS = ("policy", "capacity", "disk", "threshold", "hit ratio", "cpu hit",
-                  "disk hit", "seconds")
+TIERED_COLUMNS = ("policy", "capacity", "disk", "threshold", "disk k", "write", "hit ratio",
+                  "cpu hit", "disk hit", "disk writes", "seconds")
 
 
 def _cmd_replay_tiered(args: argparse.Namespace, path: Path, keys: list[list[bytes]],
                        policies: list[str]) -> int:
-    """``kvtier replay --disk-blocks N``: each policy x capacity x threshold through
-    CPU slots + a disk tier (``kvtier.replay.tiered``)."""
+    """``kvtier replay --disk-blocks N``: each policy x capacity x threshold x disk
+    threshold x disk write policy through CPU slots + a disk tier
+    (``kvtier.replay.tiered``)."""
     from kvtier.replay.tiered import replay_tiered
 
     if args.driver != "sequential" or args.bounds or args.plot is not None or not policies:
         raise CommandError("--disk-blocks runs the sequential driver over real policies "
                            "only (no --driver engine, --bounds, --plot, opt or infinite)")
-    grid = list(itertools.product(policies, args.capacity, args.store_threshold))
+    disk_thresholds = args.disk_store_threshold or [1]
+    write_policies = args.disk_write_policy or ["store"]
+    grid = list(itertools.product(policies, args.capacity, args.store_threshold,
+                                  disk_thresholds, write_policies))
     progress = make_progress(len(grid) * len(keys), not args.no_progress)
     widths = [max(len(TIERED_COLUMNS[0]), *map(len, policies)), *map(len, TIERED_COLUMNS[1:])]
     widths[1] = max(widths[1], len(str(max(args.capacity))))
@@ -391,11 +421,14 @@ def _cmd_replay_tiered(args: argparse.Namespace, path: Path, keys: list[list[byt
         if not args.json:
             progress.write("  ".join([TIERED_COLUMNS[0].ljust(widths[0])] + [
                 h.rjust(w) for h, w in zip(TIERED_COLUMNS[1:], widths[1:], strict=True)]))
-        for policy, capacity, threshold in grid:
-            progress.describe(f"{policy} {capacity}+{args.disk_blocks} k={threshold}")
+        for policy, capacity, threshold, disk_threshold, write in grid:
+            progress.describe(f"{policy} {capacity}+{args.disk_blocks} k={threshold} "
+                              f"disk k={disk_threshold} {write}")
             try:
                 r = replay_tiered(keys, capacity, args.disk_blocks, policy,
                                   store_threshold=threshold,
+                                  disk_store_threshold=disk_threshold,
+                                  disk_write_policy=write,
                                   max_tracker_size=args.max_tracker_size,
                                   progress=progress.update)
             except ProtocolError:
@@ -406,8 +439,9 @@ def _cmd_replay_tiered(args: argparse.Namespace, path: Path, keys: list[list[byt
                 progress.write(json.dumps({**r.to_dict(), "trace": str(path)}))
             else:
                 cells = (str(r.capacity), str(r.disk_blocks), str(r.store_threshold),
+                         str(r.disk_store_threshold), r.disk_write_policy,
                          f"{r.hit_ratio:.4f}", f"{r.cpu_hit_ratio:.4f}",
-                         f"{r.disk_hit_ratio:.4f}", f"{r.seconds:.1f}")
+                         f"{r.disk_hit_ratio:.4f}", str(r.disk_writes), f"{r.seconds:.1f}")
                 progress.write("  ".join([r.policy.ljust(widths[0])] + [
                     c.rjust(w) for c, w in zip(cells, widths[1:], strict=True)]))
     finally:

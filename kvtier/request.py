@@ -22,6 +22,8 @@ class RequestContext:
     * ``counted`` / ``skipped`` / ``ghost_checked``: keys already counted by
       admission, already reported as skipped, already shown to the policy as a
       store miss (each happens once per request);
+    * ``tier_counted``: keys the tier cascade already counted as used by this
+      request (its per-tier admission, ``kvtier.tiers.cascade``);
     * ``leased``: keys leased to it by ``lookup`` (at most the manager's
       ``max_leases_per_request``); ``loading``: keys pinned by its loads, with
       counts; ``writing``: keys it was granted for storing and has not completed;
@@ -42,6 +44,7 @@ class RequestContext:
         "inserted",
         "reused",
         "counted",
+        "tier_counted",
         "skipped",
         "ghost_checked",
         "leased",
@@ -63,6 +66,7 @@ class RequestContext:
         self.inserted: set[bytes] = set()
         self.reused: set[bytes] = set()
         self.counted: set[bytes] = set()
+        self.tier_counted: set[bytes] = set()
         self.skipped: set[bytes] = set()
         self.ghost_checked: set[bytes] = set()
         self.leased: set[bytes] = set()
@@ -119,6 +123,7 @@ class RequestContext:
         self.inserted.clear()
         self.reused.clear()
         self.counted.clear()
+        self.tier_counted.clear()
         self.skipped.clear()
         self.ghost_checked.clear()
         self.leased.clear()

@@ -7,12 +7,15 @@ from typing import NamedTuple
 
 
 class LookupResult(enum.Enum):
-    """Answer of ``OffloadManager.lookup_one`` for one key."""
+    """Answer of ``OffloadManager.lookup_one`` (and ``TierCascade.lookup_one``) for one key."""
 
     MISS = "miss"
     HIT = "hit"
     HIT_PENDING = "hit_pending"
     """Resident but not readable yet (store or promotion in flight): ask again later."""
+    RETRY = "retry"
+    """Not known yet (a remote tier's existence check is in flight): not a hit;
+    ask again after the step ends. Only ``TierCascade`` answers it."""
 
 
 class LoadSpec(NamedTuple):

@@ -10,11 +10,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers.delegating_tier import DelegatingTier
 
 from kvtier import MissingBlocksError, OffloadManager, ProtocolError, RequestContext, block_key
 from kvtier.results import LookupResult
 from kvtier.slots.region import SlotRegion
-from kvtier.tiers import DiskTier, KVLayout, Tier, TierEvent
+from kvtier.tiers import DiskTier, KVLayout, Tier
 from kvtier.tiers.blockfile import BytesLike
 from kvtier.tiers.cascade import TierCascade
 from kvtier.tiers.redis_server import RedisServer, find_server_binary
@@ -23,17 +24,18 @@ NS = KVLayout("test-model", "bfloat16", 16, 2, 2, 64).namespace()
 SIZE = 16 * 1024
 SLOTS = 4
 HIT, MISS, PENDING = LookupResult.HIT, LookupResult.MISS, LookupResult.HIT_PENDING
+RETRY = LookupResult.RETRY
 
 
 def payload(i: int) -> np.ndarray:
     return np.random.default_rng(i).integers(0, 256, SIZE, dtype=np.uint8)
 
 
-class Gate(Tier):
-    """Delegates to ``inner``; ``put``/``get_into`` wait for ``opened`` first."""
+class Gate(DelegatingTier):
+    """A real tier whose ``put``/``get_into`` wait for ``opened`` first."""
 
     def __init__(self, inner: Tier) -> None:
-        self.inner, self.name, self.namespace = inner, inner.name, inner.namespace
+        super().__init__(inner)
         self.opened = threading.Event()
         self.entered = threading.Event()
 
@@ -41,31 +43,13 @@ class Gate(Tier):
         self.entered.set()
         self.opened.wait(10)
 
-    def contains(self, keys: Sequence[bytes]) -> list[bool]:
-        return self.inner.contains(keys)
-
     def get_into(self, keys: Sequence[bytes], buffers: Sequence[BytesLike]) -> list[int | None]:
         self._wait()
         return self.inner.get_into(keys, buffers)
 
-    def get(self, keys: Sequence[bytes]) -> list[memoryview | None]:
-        return self.inner.get(keys)
-
     def put(self, items: Sequence[tuple[bytes, BytesLike]]) -> list[bool]:
         self._wait()
         return self.inner.put(items)
-
-    def delete(self, keys: Sequence[bytes]) -> int:
-        return self.inner.delete(keys)
-
-    def stats(self) -> dict[str, int | float | str]:
-        return self.inner.stats()
-
-    def take_events(self) -> list[TierEvent]:
-        return self.inner.take_events()
-
-    def close(self) -> None:
-        self.inner.close()
 
 
 @pytest.fixture
@@ -91,9 +75,11 @@ def store(c: TierCascade, region: SlotRegion, ids: Sequence[int], req: str = "w"
 
 
 def settle(c: TierCascade, key: bytes, ctx: RequestContext, timeout: float = 10.0) -> LookupResult:
+    """Look ``key`` up step after step (as vLLM does) until it is HIT or MISS."""
     deadline = time.monotonic() + timeout
-    while (r := c.lookup_one(key, ctx)) is PENDING:
+    while (r := c.lookup_one(key, ctx)) in (PENDING, RETRY):
         assert time.monotonic() < deadline, "promotion never finished"
+        c.on_schedule_end()
         time.sleep(0.002)
     return r
 
@@ -195,7 +181,7 @@ def test_promotion_round_trip_from_disk(tmp_path: Path, region: SlotRegion) -> N
         assert c.stats()["cascade_writes"] == 2 + SLOTS
     finally:
         c.shutdown()
-    assert not any(t.is_alive() for t in c._threads)
+    assert not any(t.is_alive() for t in c._pool._threads)
 
 
 def test_resident_key_refused_for_lease_budget_is_not_promoted(
@@ -265,6 +251,7 @@ def test_promotion_timeout_reports_miss_then_frees_slot(
         gate.opened.clear()
         k, ctx = block_key(0), RequestContext("r")
         assert c.lookup_one(k, ctx) is PENDING
+        c.on_schedule_end()  # submits the step's promotions
         assert gate.entered.wait(5)
         time.sleep(0.06)
         assert c.lookup_one(k, ctx) is MISS  # stuck I/O: a miss now, never a hang

@@ -26,12 +26,14 @@ REPO = str(Path(__file__).parent.parent)
 OFFLOADED_TOKENS = 192  # PROMPT: 200 tokens, 6 full blocks of 32
 
 
-def run_engine(model: Path, disk: Path | None, redis_url: str | None = None) -> dict[str, Any]:
-    env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING",
+def run_engine(
+    model: Path, disk: Path | None, redis_url: str | None = None,
+    extra: dict[str, Any] | None = None, rounds: int = 1, tp: int = 1,
+) -> dict[str, Any]:
+    env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING", "KVTIER_TEST_TP": str(tp),
            "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    args = [sys.executable, HELPER, str(model), "-" if disk is None else str(disk)]
-    if redis_url is not None:
-        args.append(redis_url)
+    args = [sys.executable, HELPER, str(model), "-" if disk is None else str(disk),
+            redis_url or "-", json.dumps(extra or {}), str(rounds)]
     out = subprocess.run(args, capture_output=True,
                          text=True, timeout=300, cwd=REPO, env=env, check=False)
     assert out.returncode == 0, out.stderr[-4000:]
@@ -75,6 +77,39 @@ def test_second_engine_is_served_from_the_redis_tier(tmp_path: Path) -> None:
     assert second["cascade"]["cascade_writes"] == 0  # Redis held every block already
 
 
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="TP=2 needs 2 CPUs")
+def test_tensor_parallel_engine_is_served_from_the_disk_tier(tmp_path: Path) -> None:
+    """Two CPU workers (TP=2): each rank's shard goes to disk under its own
+    namespace; a new TP=2 engine promotes both and answers identically."""
+    model = build_tiny_llama(tmp_path / "tiny-llama")
+    disk = tmp_path / "disk"
+    first = run_engine(model, disk, tp=2)
+    blocks = OFFLOADED_TOKENS // 32
+    assert first["cached"] == 0
+    assert first["cascade"]["cascade_writes"] == blocks
+    assert first["disk"]["stores"] == 2 * blocks  # one file per rank and block
+    second = run_engine(model, disk, tp=2)
+    assert second["cached"] >= OFFLOADED_TOKENS
+    assert second["cascade"]["promotions"] >= blocks
+    assert second["cascade"]["promotion_failures"] == 0
+    assert second["tokens"] == first["tokens"]
+    single = run_engine(model, disk)  # another topology: another namespace, no hits
+    assert single["cached"] == 0
+
+
+def test_disk_store_threshold_two_writes_on_the_second_use(tmp_path: Path) -> None:
+    """Round 1 stores the prompt's blocks in CPU only; round 2 (engine prefix
+    cache reset) hits them in kvtier, their second use: now they go to disk."""
+    model = build_tiny_llama(tmp_path / "tiny-llama")
+    run = run_engine(model, tmp_path / "disk", extra={"disk_store_threshold": 2}, rounds=2)
+    blocks = OFFLOADED_TOKENS // 32
+    first, second = run["rounds"]
+    assert first["cascade_writes"] == 0 and first["writes_not_admitted"] >= blocks
+    assert second["cascade_writes"] == blocks
+    assert run["cached"] >= OFFLOADED_TOKENS  # round 2 was served from kvtier
+    assert run["disk"]["stores"] == blocks
+
+
 # ---------------------------------------------------------------- vLLM settings
 def test_tier_settings_are_validated() -> None:
     from kvtier.vllm.settings import ConfigError, KVTierSettings
@@ -90,3 +125,71 @@ def test_tier_settings_are_validated() -> None:
                 {"tenant_salt": ""}):
         with pytest.raises(ConfigError):
             KVTierSettings.from_extra_config({**base, **bad})
+
+
+@pytest.mark.parametrize(("bad", "named"), [
+    ({"disk_write_policy": "later"}, "disk_write_policy"),
+    ({"disk_store_threshold": 0}, "disk_store_threshold"),
+    ({"redis_store_threshold": "2"}, "redis_store_threshold"),
+    ({"redis_write_policy": "evict", "redis_url": None}, "redis_url"),
+    ({"redis_ttl_s": 0}, "redis_ttl_s"),
+    ({"redis_ttl_s": True}, "redis_ttl_s"),
+])
+def test_per_tier_settings_are_validated(bad: dict[str, Any], named: str) -> None:
+    from kvtier.vllm.settings import ConfigError, KVTierSettings
+
+    base = {"cpu_bytes_to_use": 1 << 20, "disk_path": "/tmp/x", "disk_bytes": 1 << 30,
+            "redis_url": "redis://h:1/0"}
+    good = KVTierSettings.from_extra_config(
+        {**base, "disk_write_policy": "evict", "disk_store_threshold": 2,
+         "redis_store_threshold": 3, "redis_ttl_s": 3600})
+    assert (good.disk_write_policy, good.disk_store_threshold) == ("evict", 2)
+    assert (good.redis_write_policy, good.redis_store_threshold, good.redis_ttl_s) == (
+        "store", 3, 3600)
+    with pytest.raises(ConfigError, match=named):
+        KVTierSettings.from_extra_config({k: v for k, v in {**base, **bad}.items()
+                                          if v is not None})
+
+
+def test_redis_keys_without_redis_url_are_refused() -> None:
+    from kvtier.vllm.settings import ConfigError, KVTierSettings
+
+    with pytest.raises(ConfigError, match="redis_url"):
+        KVTierSettings.from_extra_config({"cpu_bytes_to_use": 1 << 20, "redis_ttl_s": 60})
+    with pytest.raises(ConfigError, match="disk_path"):
+        KVTierSettings.from_extra_config({"cpu_bytes_to_use": 1 << 20,
+                                          "disk_store_threshold": 2})
+
+
+def test_adapter_reports_retry_and_lower_tier_events(tmp_path: Path) -> None:
+    """RETRY and STORAGE events cross the adapter in vLLM's own types."""
+    from vllm.v1.kv_offload.base import Locality, LookupResult, Medium, OffloadKey, ReqContext
+
+    from kvtier import OffloadManager
+    from kvtier.slots.region import SlotRegion
+    from kvtier.tiers import DiskTier, KVLayout
+    from kvtier.tiers.cascade import TierCascade
+    from kvtier.vllm.adapter import KVTierOffloadingManager
+
+    ns = KVLayout("m", "bfloat16", 32, 1, 1, 64).namespace()
+    remote = DiskTier(tmp_path / "d", ns, 1 << 20, free_reserve_bytes=0, enable_events=True)
+    remote.remote = True  # a real tier, asked the way a network tier is
+    with SlotRegion.create("adapter-test", 4, 4096, shm_dir=tmp_path) as region:
+        cascade = TierCascade(OffloadManager(4, enable_events=True), region, [remote])
+        adapter = KVTierOffloadingManager(cascade.manager, cascade)
+        try:
+            req = ReqContext(req_id="r")
+            keys = [OffloadKey(bytes([i]) * 8) for i in range(2)]
+            out = adapter.prepare_store(keys, req)
+            assert out is not None
+            adapter.complete_store(keys, req)
+            adapter.on_request_finished(req)
+            assert cascade.drain()
+            events = list(adapter.take_events())
+            media = {(e.medium, e.locality, e.ownership, e.removed) for e in events}
+            assert media == {(Medium.CPU, None, None, False),
+                             (Medium.STORAGE, Locality.LOCAL, "disk", False)}
+            assert adapter.lookup(OffloadKey(b"\x07" * 8), ReqContext(req_id="q")) \
+                is LookupResult.RETRY
+        finally:
+            adapter.shutdown()

@@ -39,6 +39,20 @@ class EngineSettings:
     kv_cache_memory_bytes: int = 64 << 20
     log_stats: bool = False
     """Keep vLLM's request metrics (``RequestOutput.metrics``: time to first token)."""
+    tensor_parallel_size: int = 1
+    """Worker processes sharing each layer (CPU: see :func:`cpu_thread_binding`)."""
+
+
+def cpu_thread_binding(ranks: int) -> str:
+    """A ``VLLM_CPU_OMP_THREADS_BIND`` value giving each of ``ranks`` CPU workers
+    its own share of this process's CPUs (vLLM's automatic binding wants one
+    NUMA node per worker)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < ranks:
+        raise ValueError(f"{ranks} CPU workers need {ranks} CPUs, this process may use {cpus}")
+    share = len(cpus) // ranks
+    groups = [cpus[r * share:(r + 1) * share] for r in range(ranks)]
+    return "|".join(",".join(map(str, g)) for g in groups)
 
 
 @dataclass(frozen=True)
@@ -72,6 +86,9 @@ def start_engine(
     from vllm.config import KVTransferConfig
 
     s = settings or EngineSettings()
+    if s.tensor_parallel_size > 1:
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_thread_binding(
+            s.tensor_parallel_size))
     transfer = None
     if extra_config is not None:
         transfer = KVTransferConfig(
@@ -92,6 +109,7 @@ def start_engine(
             seed=0,
             disable_log_stats=not s.log_stats,
             kv_transfer_config=transfer,
+            tensor_parallel_size=s.tensor_parallel_size,
         )
     except BaseException:
         _cleanup()  # a failed start leaves vLLM's process-wide state set up

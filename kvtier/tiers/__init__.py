@@ -10,6 +10,9 @@ namespace (:mod:`kvtier.tiers.namespace`) and implement one batch interface,
     disk.put([(key, region.slot_array(slot))])
     lengths = disk.get_into([key], [region.slot_array(other_slot)])
 
+:class:`~kvtier.tiers.cascade.TierCascade` puts them under an ``OffloadManager``
+(lookups that promote, per-tier write policy and admission).
+
 ``RedisTier`` needs the ``redis`` extra (redis-py); it is imported on first use.
 """
 
@@ -26,6 +29,7 @@ from kvtier.tiers.base import (
 )
 from kvtier.tiers.blockfile import CorruptBlockError
 from kvtier.tiers.breaker import CircuitBreaker
+from kvtier.tiers.cascade import TierCascade
 from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.namespace import KVLayout, check_namespace, namespace_of
 
@@ -40,6 +44,7 @@ __all__ = [
     "KVLayout",
     "RedisTier",
     "Tier",
+    "TierCascade",
     "TierConfigError",
     "TierEvent",
     "TierUnavailableError",

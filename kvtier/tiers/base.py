@@ -172,6 +172,11 @@ class Tier(ABC):
     name: str = "tier"
     """Short lower-case name; the events' medium is its upper-cased form."""
 
+    remote: bool = False
+    """``contains`` costs a network round trip: the tier cascade asks it in
+    batches from an I/O thread (answering RETRY meanwhile), not per key on the
+    scheduler thread."""
+
     namespace: str
 
     @abstractmethod

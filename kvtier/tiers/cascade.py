@@ -3,80 +3,102 @@
 ``TierCascade`` wraps one :class:`~kvtier.manager.OffloadManager` (the CPU
 tier's metadata), the CPU slot region (the bytes) and a list of lower tiers,
 fastest first. All manager calls happen on the caller's (scheduler) thread;
-I/O threads only move bytes between slots and tiers and report back through a
-queue that :meth:`TierCascade.poll` applies.
+I/O threads (:mod:`kvtier.tiers.io_pool`) only move bytes between slots and
+tiers, and their results are applied by :meth:`TierCascade.poll`.
 
-Lookup walks CPU -> tiers. A lower-tier hit reserves a CPU slot
-(``manager.reserve``) and submits a promotion job; the key reports
-HIT_PENDING until :meth:`poll` sees the job done, then it is an ordinary CPU
-hit. A key already being promoted starts no second job. A failed promotion
-(miss at read time, checksum mismatch, short payload, I/O error) frees the slot
-and the key is a MISS for ``failure_ttl_s`` (a bounded set), so it is not
-retried in a loop; a promotion running past ``promotion_timeout_s`` reports
-MISS at once and frees its slot when the thread returns (the bytes of a slot
-still being written are never handed out).
+**The step contract** (vLLM's): lookups only record work; the caller ends each
+scheduling step with :meth:`TierCascade.on_schedule_end`, which submits the
+step's promotions and remote existence checks as batches (one job per tier,
+one pipelined round trip for Redis). A key answered HIT_PENDING or RETRY makes
+progress only after that call; ask again in a later step.
 
-Stores land in the CPU tier; each lower tier has its write policy. A
-``"store"`` tier is written through: each successful ``complete_store`` submits
-one write job per batch, its keys pinned with ``manager.pin_internal`` (not a
-request access, recency is unchanged) until ``poll`` sees the job done; these
-writes are submitted inside ``complete_store``, so always before the request's
-finish. An ``"evict"`` tier receives blocks as the CPU tier evicts them: the
-manager's eviction listener copies each victim's slot (on the scheduler thread,
-before the slot is handed out again) into a job that owns the copy. Either
-way the job asks each tier which keys it holds already and ``put``s only the
-others (no duplicate writes); each tier applies its own capacity, eviction
-and admission (``DiskTier``'s ``capacity_bytes``, Redis' ``maxmemory``).
+**Lookups** walk CPU -> tiers. A local tier (disk) is asked directly; a remote
+tier (``Tier.remote``: Redis) is asked through :class:`ExistenceProbes`, which
+answers RETRY until the batched check comes back (answers are kept
+``probe_ttl_s``; an unanswered check becomes "not found" after
+``probe_timeout_s``, so a stuck server yields misses, not endless retries). A
+lower-tier hit reserves a CPU slot (``manager.reserve``) and joins the step's
+promotion batch; the key reports HIT_PENDING until the bytes are in, then it
+is an ordinary CPU hit. A key already being promoted starts no second job. A
+failed promotion (miss at read time, checksum mismatch, short payload, I/O
+error) frees the slot and the key is a MISS for ``failure_ttl_s`` (a bounded
+set), so it is not retried in a loop; a promotion running past
+``promotion_timeout_s`` reports MISS at once and frees its slot when the
+thread returns (the bytes of a slot still being written are never handed out).
 
-Both queues are bounded (``max_queue`` jobs each) and the I/O threads take
-promotions first: under backpressure stores are dropped (``dropped_writes``)
-and promotions are not started (the lookup is a MISS, ``promotions_deferred``)
-rather than queued without bound.
+**Writes.** Stores land in the CPU tier; each lower tier has a write policy and
+an admission threshold. A block is *used* by a request that hits it or offers
+it for storing; each request counts once per block (a bounded
+:class:`~kvtier.admission.AdmissionTracker`, ``max_tracker_size`` blocks, only
+kept when some threshold is above 1). A tier with threshold ``t`` receives a
+block only once ``t`` requests used it (``t = 2``: no SSD write for one-off
+prompts). A ``"store"`` tier is written through: on ``complete_store`` (blocks
+already admitted), when a resident block reaches ``t`` uses, and when a block
+promoted from another tier completes; the job's keys are pinned with
+``manager.pin_internal`` (not a request access, recency is unchanged) until
+``poll`` sees it done. Writes of a request's stores are submitted before
+``complete_store`` returns, so always before the request's finish. An
+``"evict"`` tier receives admitted blocks as the CPU tier evicts them: the
+manager's eviction listener copies each victim's slot (on the scheduler
+thread, before the slot is handed out again) into a job owning the copy,
+queued at the step's end after the step's promotions (a write that makes a
+tier evict must not remove a block about to be read; with several I/O
+threads this is likely, not certain, and a lost race is a failed promotion,
+i.e. a miss). Either way the job asks each tier which keys it holds already
+and ``put``s only the others (no duplicate writes); each tier applies its own
+capacity and eviction (``DiskTier``: LRU within ``capacity_bytes``; Redis:
+TTL and the server's ``maxmemory-policy``). ``writes_not_admitted`` counts
+refusals (a block refused at store and again at eviction counts twice).
+
+Both I/O queues are bounded (``max_queue`` jobs each) and the threads take
+promotions and probes first: under backpressure stores are dropped
+(``dropped_writes``) and promotions are not started (the lookup is a MISS,
+``promotions_deferred``) rather than queued without bound.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-import numpy as np
-
+from kvtier.admission import AdmissionTracker
+from kvtier.events import Event
 from kvtier.manager import OffloadManager
 from kvtier.request import RequestContext
-from kvtier.results import LookupResult
-from kvtier.slots.region import SlotRegion
+from kvtier.results import LookupResult, PrepareStoreOutput
 from kvtier.tiers.base import Tier, WarningLimiter
+from kvtier.tiers.io_pool import IOPool, Job, ProbeJob, PromotionJob, SlotSource, WriteJob
+from kvtier.tiers.probes import (
+    DEFAULT_MAX_PROBES,
+    DEFAULT_PROBE_TIMEOUT_S,
+    DEFAULT_PROBE_TTL_S,
+    ExistenceProbes,
+)
 
 logger = logging.getLogger(__name__)
 
 WritePolicy = Literal["store", "evict"]
-RegionSource = SlotRegion | Callable[[], SlotRegion | None]
+WRITE_POLICIES: tuple[WritePolicy, ...] = ("store", "evict")
+RegionSource = SlotSource | Callable[[], SlotSource | None]
+COUNTERS = (
+    "promotions", "promotion_failures", "promotion_timeouts", "promotions_deferred",
+    "probes", "probes_deferred", "cascade_writes", "duplicate_writes_skipped",
+    "write_failures", "dropped_writes", "writes_not_admitted",
+)
 
 
 @dataclass(slots=True)
-class _Promotion:
-    key: bytes
-    slot: int
-    tiers: list[Tier]
-    started: float
-    ok: bool = False
-    tier_name: str = ""
+class LowerTier:
+    """One tier below the CPU tier with its cascade settings."""
 
-
-@dataclass(slots=True)
-class _Write:
-    keys: list[bytes]
-    slots: list[int]
-    tiers: list[Tier]
-    copies: list[np.ndarray] | None = None  # owned bytes (evictions); None: pinned slots
-    written: int = 0
-    skipped: int = 0
-    failed: int = 0
+    tier: Tier
+    write: WritePolicy
+    threshold: int
+    probes: ExistenceProbes | None  # remote tiers asked asynchronously
 
 
 class TierCascade:
@@ -85,14 +107,21 @@ class TierCascade:
     Parameters:
         manager: the CPU tier's manager; only this object calls it afterwards
             (from one thread).
-        region: the slot region, or a callable returning it (None while it is
-            not available yet: lookups fall back to the CPU tier, writes are
-            dropped).
+        region: the slot region (``RankRegions`` for a tensor-parallel engine,
+            with ``RankedTier`` tiers), or a callable returning it (None while
+            it is not available yet: lookups fall back to the CPU tier, writes
+            are dropped).
         tiers: lower tiers, fastest first (disk, then Redis).
-        write_policy: ``"store"`` (write-through on ``complete_store``) or
-            ``"evict"`` (write on CPU eviction), for every tier or one per tier.
-        io_threads: I/O threads shared by promotions and writes.
-        max_queue: queued jobs per kind (promotions, writes).
+        write_policy: ``"store"`` (write-through) or ``"evict"`` (write on CPU
+            eviction), for every tier or one per tier.
+        io_threads: I/O threads shared by promotions, probes and writes.
+        max_queue: queued jobs per kind (reads, writes).
+        store_threshold: requests that must use a block before a tier gets it
+            (one value, or one per tier).
+        max_tracker_size: blocks whose uses are counted (the bound).
+        async_lookups: ask remote tiers through batched probes (RETRY) rather
+            than one round trip per key on the caller's thread.
+        probe_ttl_s / probe_timeout_s / max_probes: see ``ExistenceProbes``.
         failure_ttl_s / max_failed: how long, and for how many keys, a failed
             promotion is remembered as a miss.
         promotion_timeout_s: a promotion running longer is reported as a miss.
@@ -108,89 +137,96 @@ class TierCascade:
         io_threads: int = 2,
         max_queue: int = 256,
         *,
+        store_threshold: int | Sequence[int] = 1,
+        max_tracker_size: int = 64_000,
+        async_lookups: bool = True,
+        probe_ttl_s: float = DEFAULT_PROBE_TTL_S,
+        probe_timeout_s: float = DEFAULT_PROBE_TIMEOUT_S,
+        max_probes: int = DEFAULT_MAX_PROBES,
         failure_ttl_s: float = 10.0,
         max_failed: int = 10_000,
         promotion_timeout_s: float = 30.0,
         own_tiers: bool = True,
     ) -> None:
-        policies = (
-            [write_policy] * len(tiers) if isinstance(write_policy, str) else list(write_policy)
-        )
-        if len(policies) != len(tiers) or any(p not in ("store", "evict") for p in policies):
-            raise ValueError(
-                f"write_policy must be 'store' or 'evict', or one of them per tier "
-                f"({len(tiers)}), got {write_policy!r}"
-            )
+        tiers = list(tiers)
+        policies = _per_tier("write_policy", write_policy, len(tiers))
+        thresholds = _per_tier("store_threshold", store_threshold, len(tiers))
+        if any(p not in WRITE_POLICIES for p in policies):
+            raise ValueError(f"write_policy must be 'store' or 'evict' (per tier), "
+                             f"got {write_policy!r}")
+        for t in thresholds:
+            _check_int("store_threshold", t)
         for name, value in (("io_threads", io_threads), ("max_queue", max_queue),
-                            ("max_failed", max_failed)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+                            ("max_failed", max_failed), ("max_tracker_size", max_tracker_size)):
+            _check_int(name, value)
         self.manager = manager
-        self.tiers = list(tiers)
-        self.write_policies: list[WritePolicy] = policies
-        self._store_tiers = [t for t, p in zip(self.tiers, policies, strict=True) if p == "store"]
-        self._evict_tiers = [t for t, p in zip(self.tiers, policies, strict=True) if p == "evict"]
-        self.max_queue = max_queue
+        self.tiers = tiers
+        self.lower = [
+            LowerTier(tier, policy, threshold,
+                      ExistenceProbes(probe_ttl_s, probe_timeout_s, max_probes)
+                      if async_lookups and tier.remote else None)
+            for tier, policy, threshold in zip(tiers, policies, thresholds, strict=True)
+        ]
+        self.write_policies: list[WritePolicy] = list(policies)
         self.failure_ttl_s = float(failure_ttl_s)
         self.max_failed = max_failed
         self.promotion_timeout_s = float(promotion_timeout_s)
         self._own_tiers = own_tiers
         self._region_source = region
-        self._region: SlotRegion | None = region if isinstance(region, SlotRegion) else None
+        self._region: SlotSource | None = None if callable(region) else region
         self._warn = WarningLimiter(logger)
-
-        self._cond = threading.Condition()
-        self._loads: deque[_Promotion] = deque()
-        self._writes: deque[_Write] = deque()
-        self._done: deque[_Promotion | _Write] = deque()  # appended by I/O threads
-        self._stopping = False
+        self._pool = IOPool(io_threads, max_queue)
+        self._pool.region = self._region
 
         # Scheduler-thread state.
-        self._inflight: dict[bytes, _Promotion] = {}
+        top = max(thresholds, default=1)
+        self._uses = AdmissionTracker(top, max_tracker_size) if top > 1 else None
+        self._due: dict[bytes, None] = {}  # resident keys to offer the store tiers again
+        self._due_at = {low.threshold for low in self.lower
+                        if low.write == "store" and low.threshold > 1}
+        self._evicted: list[WriteJob] = []  # this step's write-on-evict jobs
+        self._batching: dict[tuple[int, ...], PromotionJob] = {}  # this step's promotions
+        self._inflight: dict[bytes, PromotionJob] = {}
         self._failed: OrderedDict[bytes, float] = OrderedDict()  # key -> retry-after time
         self._pending_writes = 0
-        self.counters = dict.fromkeys(
-            (
-                "promotions", "promotion_failures", "promotion_timeouts",
-                "promotions_deferred", "cascade_writes", "duplicate_writes_skipped",
-                "write_failures", "dropped_writes",
-            ),
-            0,
-        )
-        self._threads = [
-            threading.Thread(target=self._run, name=f"kvtier-io-{i}", daemon=True)
-            for i in range(io_threads)
-        ]
-        for thread in self._threads:
-            thread.start()
-        if self._evict_tiers:
+        self._probes_in_flight = 0
+        self.counters = dict.fromkeys(COUNTERS, 0)
+        self._store_tier_names = [low.tier.name for low in self.lower if low.write == "store"]
+        if any(low.write == "evict" for low in self.lower):
             manager.set_eviction_listener(self._on_evict)
 
     # ------------------------------------------------------------ region
-    def region(self) -> SlotRegion | None:
-        """The slot region, resolving a lazy source on first success."""
-        if self._region is None and not isinstance(self._region_source, SlotRegion):
+    def region(self) -> SlotSource | None:
+        """The slot region(s), resolving a lazy source on first success."""
+        if self._region is None and callable(self._region_source):
             try:
                 self._region = self._region_source()
             except Exception as exc:
                 self._warn.warning("kvtier cascade: slot region not available: %s", exc)
+            self._pool.region = self._region
         return self._region
 
     # ------------------------------------------------------------ lookups
     def lookup_one(self, key: bytes, ctx: RequestContext) -> LookupResult:
-        """CPU first, then the lower tiers (promoting a hit); see the module docstring."""
+        """CPU first, then the lower tiers; see the module docstring."""
         self.poll()
         job = self._inflight.get(key)
         if job is not None:
             if time.monotonic() - job.started > self.promotion_timeout_s:
                 return LookupResult.MISS
+            if self._uses is not None:
+                self._note_uses([key], ctx)
             return LookupResult.HIT_PENDING
         result = self.manager.lookup_one(key, ctx)
-        if result is not LookupResult.MISS or not self.tiers or key in self.manager._slot:
+        if result is LookupResult.HIT:
+            if self._uses is not None:
+                self._note_uses([key], ctx)
+            return result
+        if result is not LookupResult.MISS or not self.lower or key in self.manager._slot:
             return result  # resident but refused (lease budget): not a tier's business
         if self._recently_failed(key):
             return LookupResult.MISS
-        return self._try_promote(key)
+        return self._look_below(key, ctx)
 
     def _recently_failed(self, key: bytes) -> bool:
         until = self._failed.get(key)
@@ -201,54 +237,136 @@ class TierCascade:
         del self._failed[key]
         return False
 
-    def _try_promote(self, key: bytes) -> LookupResult:
-        holders = [t for t in self.tiers if t.available and _holds(t, key)]
-        if not holders:
+    def _look_below(self, key: bytes, ctx: RequestContext) -> LookupResult:
+        """Ask each available tier in order; promote from the first that holds ``key``."""
+        now = time.monotonic()
+        waiting = False
+        for i, low in enumerate(self.lower):
+            if not low.tier.available:
+                continue
+            if low.probes is not None:
+                found = low.probes.ask(key, now)
+                if found is None:
+                    waiting = True
+                    continue
+            else:
+                found = _holds(low.tier, key)
+            if found:
+                return self._promote(key, ctx, i)
+        return LookupResult.RETRY if waiting else LookupResult.MISS
+
+    def _promote(self, key: bytes, ctx: RequestContext, first: int) -> LookupResult:
+        """Reserve a slot for ``key`` and add it to this step's promotion batch."""
+        if self.region() is None:
             return LookupResult.MISS
-        region = self.region()
-        if region is None:
-            return LookupResult.MISS
-        with self._cond:
-            full = len(self._loads) >= self.max_queue
-        if full:
+        order = tuple(range(first, len(self.lower)))
+        if order not in self._batching and self._pool.reads_full():
             self.counters["promotions_deferred"] += 1
             return LookupResult.MISS
         slots = self.manager.reserve([key])
         if slots is None:
             return LookupResult.MISS
-        job = _Promotion(key, slots[0], holders, time.monotonic())
+        for low in self.lower[first:]:
+            if low.probes is not None:
+                low.probes.forget(key)  # answered by the promotion itself
+        job = self._batching.get(order)
+        if job is None:
+            tiers = [self.lower[i].tier for i in order]
+            job = self._batching[order] = PromotionJob([], [], tiers, time.monotonic())
+        job.keys.append(key)
+        job.slots.append(slots[0])
         self._inflight[key] = job
         self.counters["promotions"] += 1
-        with self._cond:
-            self._loads.append(job)
-            self._cond.notify()
+        if self._uses is not None:
+            self._note_uses([key], ctx)
         return LookupResult.HIT_PENDING
+
+    # ------------------------------------------------------------ the step
+    def on_schedule_end(self) -> None:
+        """End of a scheduling step: apply finished jobs, then submit the
+        step's promotions, remote existence checks and admitted writes."""
+        self.poll()
+        self._submit_promotions()
+        self._submit_probes()
+        self._submit_due()
+        self._submit_evicted()
+
+    def _submit_evicted(self) -> None:
+        """Queue the step's write-on-evict copies, after its promotions: a
+        write filling a lower tier must not evict a block about to be read."""
+        jobs, self._evicted = self._evicted, []
+        for job in jobs:
+            self._queue_write(job)
+
+    def _submit_promotions(self) -> None:
+        batches, self._batching = self._batching, {}
+        for job in batches.values():
+            job.started = time.monotonic()
+            if not self._pool.submit(job):
+                self.counters["promotions_deferred"] += len(job.keys)
+                for key in job.keys:
+                    self._inflight.pop(key, None)
+                self.manager.complete_reserve(job.keys, success=False)
+
+    def _submit_probes(self) -> None:
+        now = time.monotonic()
+        for low in self.lower:
+            if low.probes is None:
+                continue
+            keys = low.probes.take_batch()
+            if not keys:
+                continue
+            if self._pool.submit(ProbeJob(low.tier, keys)):
+                self._probes_in_flight += 1
+                self.counters["probes"] += len(keys)
+            else:
+                low.probes.answer(keys, [False] * len(keys), now)
+                self.counters["probes_deferred"] += len(keys)
 
     def poll(self) -> None:
         """Apply finished I/O jobs to the manager (scheduler thread only)."""
-        done = self._done
-        while done:
-            job = done.popleft()
-            if isinstance(job, _Promotion):
-                self._finish_promotion(job)
-            else:
-                self._finish_write(job)
-
-    def _finish_promotion(self, job: _Promotion) -> None:
-        self._inflight.pop(job.key, None)
-        self.manager.complete_reserve([job.key], success=job.ok)
-        if job.ok:
+        if not self._pool.has_done():
             return
-        self.counters["promotion_failures"] += 1
-        if time.monotonic() - job.started > self.promotion_timeout_s:
-            self.counters["promotion_timeouts"] += 1
+        for job in self._pool.take_done():
+            self._apply(job)
+
+    def _apply(self, job: Job) -> None:
+        if isinstance(job, PromotionJob):
+            self._finish_promotion(job)
+        elif isinstance(job, ProbeJob):
+            self._probes_in_flight -= 1
+            low = next(low for low in self.lower if low.tier is job.tier)
+            if low.probes is not None:
+                low.probes.answer(job.keys, job.found or [False] * len(job.keys),
+                                  time.monotonic())
+        else:
+            self._finish_write(job)
+
+    def _finish_promotion(self, job: PromotionJob) -> None:
+        ok = job.ok or [False] * len(job.keys)
+        good = [k for k, done in zip(job.keys, ok, strict=True) if done]
+        bad = [k for k, done in zip(job.keys, ok, strict=True) if not done]
+        for key in job.keys:
+            self._inflight.pop(key, None)
+        self.manager.complete_reserve(good, success=True)
+        for key, source in zip(job.keys, job.source or [""] * len(job.keys), strict=True):
+            if source and any(n != source for n in self._store_tier_names):
+                self._due[key] = None  # another store tier may want what one tier held
+        if not bad:
+            return
+        self.manager.complete_reserve(bad, success=False)
+        self.counters["promotion_failures"] += len(bad)
+        now = time.monotonic()
+        if now - job.started > self.promotion_timeout_s:
+            self.counters["promotion_timeouts"] += len(bad)
         failed = self._failed
-        failed[job.key] = time.monotonic() + self.failure_ttl_s
-        failed.move_to_end(job.key)
+        for key in bad:
+            failed[key] = now + self.failure_ttl_s
+            failed.move_to_end(key)
         while len(failed) > self.max_failed:
             failed.popitem(last=False)
 
-    def _finish_write(self, job: _Write) -> None:
+    def _finish_write(self, job: WriteJob) -> None:
         self._pending_writes -= 1
         if job.copies is None:
             self.manager.unpin_internal(job.keys)
@@ -256,171 +374,187 @@ class TierCascade:
         self.counters["duplicate_writes_skipped"] += job.skipped
         self.counters["write_failures"] += job.failed
 
+    # ------------------------------------------------------------ admission
+    def _note_uses(self, keys: list[bytes], ctx: RequestContext) -> None:
+        """Count one use per request of ``keys``; a resident key reaching a
+        store tier's threshold becomes due for writing (a key still being
+        promoted becomes due when its promotion completes)."""
+        uses = self._uses
+        if uses is None:
+            return
+        counted = ctx.tier_counted
+        new = [k for k in dict.fromkeys(keys) if k not in counted]
+        if not new:
+            return
+        uses.record(new, counted)
+        ready = self.manager._is_ready
+        for key in new:
+            n = uses.count(key)
+            if n in self._due_at and ready(key):
+                self._due[key] = None
+
+    def _admitted(self, low: LowerTier, keys: list[bytes]) -> list[bytes]:
+        if low.threshold <= 1 or self._uses is None:
+            return keys
+        count, t = self._uses.count, low.threshold
+        return [k for k in keys if count(k) >= t]
+
     # ------------------------------------------------------------ stores
+    def prepare_store(
+        self, keys: Iterable[bytes], ctx: RequestContext
+    ) -> PrepareStoreOutput | None:
+        """``manager.prepare_store``, counting the offer as a use of each key."""
+        keys = list(keys)
+        if self._uses is not None:
+            self._note_uses(keys, ctx)
+        return self.manager.prepare_store(keys, ctx)
+
     def complete_store(
         self, keys: Iterable[bytes], ctx: RequestContext, success: bool = True
     ) -> None:
-        """``manager.complete_store``, then write-through of the stored blocks."""
+        """``manager.complete_store``, then write-through of the admitted blocks."""
         keys = list(keys)
         self.manager.complete_store(keys, ctx, success=success)
-        if success and self._store_tiers:
-            self.write_through(keys)
+        if success:
+            self._write_through(keys)
+        self._submit_due()
 
-    def write_through(self, keys: Iterable[bytes]) -> bool:
-        """Submit one write job for the READY ``keys``; False when it was dropped."""
+    def on_request_finished(self, ctx: RequestContext) -> None:
+        """Submit writes the request made due, then ``manager.on_request_finished``."""
+        self._submit_due()
+        self.manager.on_request_finished(ctx)
+
+    def _submit_due(self) -> None:
+        if self._due:
+            due, self._due = list(self._due), {}
+            self._write_through(due, count_refusals=False)
+
+    def _write_through(self, keys: list[bytes], count_refusals: bool = True) -> None:
+        """One write job per distinct set of admitted READY keys over the store
+        tiers (a tier holding a key already skips it in the job)."""
         ready = self.manager._is_ready
         keys = [k for k in dict.fromkeys(keys) if ready(k)]
         if not keys:
-            return True
-        if not self._can_write(self._store_tiers, len(keys)):
-            return False
-        slots = self.manager.pin_internal(keys)
-        self._submit_write(_Write(keys, slots, self._store_tiers))
-        return True
+            return
+        groups: dict[tuple[bytes, ...], list[Tier]] = {}
+        for low in self.lower:
+            if low.write != "store":
+                continue
+            admitted = self._admitted(low, keys)
+            if count_refusals:
+                self.counters["writes_not_admitted"] += len(keys) - len(admitted)
+            if admitted:
+                groups.setdefault(tuple(admitted), []).append(low.tier)
+        for group, tiers in groups.items():
+            self._submit_write(list(group), tiers)
+
+    def write_through(self, keys: Iterable[bytes]) -> None:
+        """Write READY ``keys`` to every store tier now (admission applies)."""
+        self._write_through(list(keys))
 
     def _on_evict(self, keys: list[bytes], slots: list[int]) -> None:
-        """The manager's eviction listener: copy the victims out for the evict tiers."""
-        if not self._can_write(self._evict_tiers, len(keys)):
+        """The manager's eviction listener: copy admitted victims for the evict tiers."""
+        region = self.region()
+        for low in self.lower:
+            if low.write != "evict":
+                continue
+            admitted = set(self._admitted(low, keys))
+            self.counters["writes_not_admitted"] += len(keys) - len(admitted)
+            picked = [(k, s) for k, s in zip(keys, slots, strict=True) if k in admitted]
+            if not picked:
+                continue
+            if region is None or not low.tier.available:
+                self.counters["dropped_writes"] += len(picked)
+                continue
+            if len(self._evicted) >= self._pool.max_queue:
+                self.counters["dropped_writes"] += len(picked)
+                continue
+            copies = [region.slot_array(s).copy() for _, s in picked]
+            self._evicted.append(
+                WriteJob([k for k, _ in picked], [s for _, s in picked], [low.tier], copies))
+
+    def _submit_write(self, keys: list[bytes], tiers: list[Tier]) -> None:
+        if self.region() is None or not any(t.available for t in tiers):
+            self.counters["dropped_writes"] += len(keys)
             return
-        region = self._region
-        assert region is not None  # _can_write resolved it
-        copies = [region.slot_array(s).copy() for s in slots]
-        self._submit_write(_Write(list(keys), list(slots), self._evict_tiers, copies))
+        slots = self.manager.pin_internal(keys)
+        if not self._queue_write(WriteJob(keys, slots, tiers)):
+            self.manager.unpin_internal(keys)
 
-    def _can_write(self, tiers: list[Tier], n: int) -> bool:
-        """Whether a write job for ``n`` keys can be queued now; counts a drop if not."""
-        ok = self.region() is not None and any(t.available for t in tiers)
-        if ok:
-            with self._cond:
-                ok = len(self._writes) < self.max_queue and not self._stopping
-        if not ok:
-            self.counters["dropped_writes"] += n
-        return ok
-
-    def _submit_write(self, job: _Write) -> None:
+    def _queue_write(self, job: WriteJob) -> bool:
+        if not self._pool.submit(job):
+            self.counters["dropped_writes"] += len(job.keys)
+            return False
         self._pending_writes += 1
-        with self._cond:
-            self._writes.append(job)
-            self._cond.notify()
-
-    def on_schedule_end(self) -> None:
-        self.poll()
-
-    # ------------------------------------------------------------ I/O threads
-    def _run(self) -> None:
-        cond = self._cond
-        while True:
-            with cond:
-                while not self._loads and not self._writes and not self._stopping:
-                    cond.wait()
-                if self._loads:
-                    job: _Promotion | _Write = self._loads.popleft()
-                elif self._writes:
-                    job = self._writes.popleft()
-                else:
-                    return
-            try:
-                if isinstance(job, _Promotion):
-                    self._promote(job)
-                else:
-                    self._write(job)
-            except Exception as exc:
-                self._warn.warning("kvtier cascade: I/O job failed: %s", exc)
-            self._done.append(job)
-
-    def _promote(self, job: _Promotion) -> None:
-        region = self._region
-        if region is None:
-            return
-        buf = region.slot_array(job.slot)
-        for tier in job.tiers:
-            if not tier.available:
-                continue
-            try:
-                n = tier.get_into([job.key], [buf])[0]
-            except Exception as exc:
-                self._warn.warning("kvtier cascade: %s read failed: %s", tier.name, exc)
-                continue
-            if n == buf.nbytes:
-                job.ok, job.tier_name = True, tier.name
-                return
-            if n is not None:
-                self._warn.warning(
-                    "kvtier cascade: %s block of %d bytes for a %d-byte slot; ignored",
-                    tier.name, n, buf.nbytes,
-                )
-
-    def _write(self, job: _Write) -> None:
-        region = self._region
-        if region is None:
-            return
-        sources = job.copies or [region.slot_array(s) for s in job.slots]
-        for tier in job.tiers:
-            if not tier.available:
-                job.failed += len(job.keys)
-                continue
-            try:
-                held = tier.contains(job.keys)
-                items = [
-                    (k, buf) for k, buf, h in zip(job.keys, sources, held, strict=True) if not h
-                ]
-                job.skipped += len(job.keys) - len(items)
-                if items:
-                    results = tier.put(items)
-                    ok = sum(1 for r in results if r)
-                    job.written += ok
-                    job.failed += len(items) - ok
-            except Exception as exc:
-                job.failed += len(job.keys)
-                self._warn.warning("kvtier cascade: %s write failed: %s", tier.name, exc)
+        return True
 
     # ------------------------------------------------------------ whole cascade
+    def take_events(self) -> list[Event]:
+        """The lower tiers' pending ``stored`` / ``removed`` events (medium: the
+        tier's name upper-cased, e.g. ``DISK``)."""
+        out: list[Event] = []
+        for tier in self.tiers:
+            try:
+                events = tier.take_events()
+            except Exception as exc:
+                self._warn.warning("kvtier cascade: %s events failed: %s", tier.name, exc)
+                continue
+            out.extend(e for e in (ev.as_event() for ev in events) if e is not None)
+        return out
+
+    def busy(self) -> bool:
+        """Whether any job is batched, queued or running."""
+        return bool(self._inflight or self._pending_writes or self._probes_in_flight
+                    or self._due or self._evicted)
+
     def drain(self, timeout_s: float = 30.0) -> bool:
-        """Wait until every submitted job finished and was applied; False on timeout."""
+        """End steps until every submitted job finished and was applied; False
+        on timeout."""
         deadline = time.monotonic() + timeout_s
-        while self._inflight or self._pending_writes:
-            self.poll()
-            if not (self._inflight or self._pending_writes):
-                break
+        self.on_schedule_end()
+        while self.busy():
             if time.monotonic() > deadline:
                 return False
-            time.sleep(0.002)
+            time.sleep(0.001)
+            self.on_schedule_end()
         return True
 
     def reset(self, timeout_s: float = 30.0) -> None:
         """Let in-flight jobs finish (their slots must not be reused under them), then
-        ``manager.reset()`` and forget the failed keys."""
+        ``manager.reset()`` and forget failed keys, probe answers and use counts."""
         if not self.drain(timeout_s):
             logger.warning("kvtier cascade: reset with I/O jobs still running")
         self.manager.reset()
         self._failed.clear()
+        if self._uses is not None:
+            self._uses.clear()
+        for low in self.lower:
+            if low.probes is not None:
+                low.probes.clear()
 
     def stats(self) -> dict[str, int]:
-        with self._cond:
-            queued_loads, queued_writes = len(self._loads), len(self._writes)
+        queued_reads, queued_writes = self._pool.queued()
         return {
             **self.counters,
             "promotions_in_flight": len(self._inflight),
             "writes_in_flight": self._pending_writes,
-            "queued_promotions": queued_loads,
+            "queued_promotions": queued_reads,
             "queued_writes": queued_writes,
             "failed_keys": len(self._failed),
         }
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Drop queued writes, finish running jobs, join the threads, close owned tiers."""
-        with self._cond:
-            self._stopping = True
-            dropped = list(self._writes)
-            self._writes.clear()
-            self._cond.notify_all()
-        for job in dropped:
+        self._submit_promotions()  # batched reservations are released through poll
+        for job in self._evicted:
             self.counters["dropped_writes"] += len(job.keys)
-            self._done.append(job)
-        for thread in self._threads:
-            thread.join(timeout_s)
+        self._evicted = []
+        for job in self._pool.shutdown(timeout_s):
+            self.counters["dropped_writes"] += len(job.keys)
+            job.written = job.skipped = job.failed = 0
+            self._apply(job)
         self.poll()
-        if self._evict_tiers:
+        if any(low.write == "evict" for low in self.lower):
             self.manager.set_eviction_listener(None)
         if self._own_tiers:
             for tier in self.tiers:
@@ -428,6 +562,23 @@ class TierCascade:
                     tier.close()
                 except Exception as exc:
                     logger.warning("kvtier cascade: closing %s: %s", tier.name, exc)
+
+
+def _per_tier(name: str, value: object, n: int) -> list:
+    """``value`` for each of ``n`` tiers: one value for all, or a sequence of ``n``."""
+    if isinstance(value, (str, int)):
+        return [value] * n
+    if not isinstance(value, Sequence):
+        raise ValueError(f"{name} must be one value or one per tier ({n}), got {value!r}")
+    values = list(value)
+    if len(values) != n:
+        raise ValueError(f"{name} must be one value or one per tier ({n}), got {value!r}")
+    return values
+
+
+def _check_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
 
 
 def _holds(tier: Tier, key: bytes) -> bool:

@@ -128,6 +128,7 @@ class RedisTier(Tier):
     """
 
     name = "redis"
+    remote = True
 
     def __init__(
         self,

@@ -6,9 +6,7 @@ from collections.abc import Collection, Iterable
 from typing import Any
 
 from vllm.v1.kv_offload.base import (
-    LookupResult as VllmLookupResult,
-)
-from vllm.v1.kv_offload.base import (
+    Locality,
     Medium,
     OffloadingEvent,
     OffloadingManager,
@@ -16,6 +14,9 @@ from vllm.v1.kv_offload.base import (
     PrepareStoreOutput,
     ReqContext,
     RequestOffloadingContext,
+)
+from vllm.v1.kv_offload.base import (
+    LookupResult as VllmLookupResult,
 )
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
@@ -25,10 +26,14 @@ from kvtier.results import LookupResult
 from kvtier.tiers.cascade import TierCascade
 from kvtier.vllm.metrics import fill_stats
 
+_LOCALITY = {"DISK": Locality.LOCAL, "REDIS": Locality.REMOTE}
+"""Where a lower tier's blocks live, by event medium (the tier's name upper-cased)."""
+
 _LOOKUP = {
     LookupResult.MISS: VllmLookupResult.MISS,
     LookupResult.HIT: VllmLookupResult.HIT,
     LookupResult.HIT_PENDING: VllmLookupResult.HIT_PENDING,
+    LookupResult.RETRY: VllmLookupResult.RETRY,
 }
 
 
@@ -39,7 +44,8 @@ class KVTierOffloadingManager(OffloadingManager):
     ``ReqContext`` carries its kvtier ``RequestContext`` in its per-request
     state, sharing vLLM's end-token positions, so it lives and dies with the
     request. With a ``TierCascade`` (disk/Redis tiers configured), lookups,
-    completed stores, step ends, resets and shutdown go through it.
+    offers, completed stores, finishes, step ends, events, resets and shutdown
+    go through it; its tiers' events are reported as ``Medium.STORAGE``.
     """
 
     def __init__(self, manager: OffloadManager, cascade: TierCascade | None = None) -> None:
@@ -84,7 +90,11 @@ class KVTierOffloadingManager(OffloadingManager):
     def prepare_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext
     ) -> PrepareStoreOutput | None:
-        out = self.manager.prepare_store(list(keys), self.context(req_context))
+        ctx = self.context(req_context)
+        if self.cascade is not None:
+            out = self.cascade.prepare_store(list(keys), ctx)
+        else:
+            out = self.manager.prepare_store(list(keys), ctx)
         if out is None:
             return None
         return PrepareStoreOutput(
@@ -103,14 +113,23 @@ class KVTierOffloadingManager(OffloadingManager):
             self.manager.complete_store(list(keys), ctx, success=success)
 
     def on_request_finished(self, req_context: ReqContext) -> None:
-        self.manager.on_request_finished(self.context(req_context))
+        if self.cascade is not None:
+            self.cascade.on_request_finished(self.context(req_context))
+        else:
+            self.manager.on_request_finished(self.context(req_context))
 
     def take_events(self) -> Iterable[OffloadingEvent]:
-        for event in self.manager.take_events():
+        events = self.manager.take_events()
+        if self.cascade is not None:
+            events.extend(self.cascade.take_events())
+        for event in events:
+            primary = event.medium == "CPU"
             yield OffloadingEvent(
                 keys=[OffloadKey(k) for k in event.keys],
-                medium=Medium.CPU,
+                medium=Medium.CPU if primary else Medium.STORAGE,
                 removed=event.kind == "removed",
+                locality=None if primary else _LOCALITY.get(event.medium, Locality.LOCAL),
+                ownership=None if primary else event.medium.lower(),
             )
 
     def get_stats(self) -> Any:
@@ -121,7 +140,7 @@ class KVTierOffloadingManager(OffloadingManager):
 
     def on_schedule_end(self, context: Any) -> None:
         if self.cascade is not None:
-            self.cascade.poll()
+            self.cascade.on_schedule_end()
 
     def reset_cache(self) -> None:
         if self.cascade is not None:

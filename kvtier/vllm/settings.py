@@ -12,6 +12,7 @@ from typing import Any
 from kvtier.errors import KVTierError
 from kvtier.leases import DEFAULT_LEASE_TIMEOUT_S, DEFAULT_MAX_LEASES_PER_REQUEST
 from kvtier.policies import policy_class
+from kvtier.tiers.cascade import WRITE_POLICIES
 
 VLLM_KEYS = frozenset(
     {
@@ -51,8 +52,21 @@ class KVTierSettings:
     """Directory of the disk tier (shared by engines of one host); None: no disk tier."""
     disk_bytes: int | None = None
     """Bytes of block files the disk tier may keep; required with ``disk_path``."""
+    disk_write_policy: str = "store"
+    """When the disk tier gets a block: "store" (written through when stored in
+    CPU) or "evict" (when the CPU tier evicts it)."""
+    disk_store_threshold: int = 1
+    """Requests that must use a block (hit it or offer it) before it is written
+    to disk; 2 spares the SSD the one-off prompts."""
     redis_url: str | None = None
     """Redis/Valkey URL of the shared tier; None: no Redis tier."""
+    redis_write_policy: str = "store"
+    """As ``disk_write_policy``, for the Redis tier."""
+    redis_store_threshold: int = 1
+    """As ``disk_store_threshold``, for the Redis tier."""
+    redis_ttl_s: float | None = None
+    """Expiry of every Redis value in seconds; None: none (the server's
+    ``maxmemory`` and ``maxmemory-policy`` bound the tier)."""
     tenant_salt: str | None = None
     """Separates tenants sharing the disk/Redis tiers (keyed into the namespace)."""
 
@@ -79,6 +93,11 @@ class KVTierSettings:
                 "memory kvtier may use for offloaded KV blocks, e.g. 8000000000"
             )
         values = {k: extra[k] for k in own if k in extra}
+        for prefix, owner in (("disk_", "disk_path"), ("redis_", "redis_url")):
+            orphans = sorted(k for k in values if k.startswith(prefix) and k != owner)
+            if orphans and values.get(owner) is None and not (
+                    prefix == "disk_" and orphans == ["disk_bytes"]):
+                raise ConfigError(f"{orphans} set but {owner} is not: they configure that tier")
         settings = cls(**values)
         settings._validate()
         return settings
@@ -105,6 +124,20 @@ class KVTierSettings:
             if self.disk_path is None:
                 raise ConfigError("disk_bytes is set but disk_path is not")
             _int_at_least("disk_bytes", self.disk_bytes, 1, "a byte count")
+        for tier in ("disk", "redis"):
+            policy = getattr(self, f"{tier}_write_policy")
+            if policy not in WRITE_POLICIES:
+                raise ConfigError(
+                    f"{tier}_write_policy must be one of {list(WRITE_POLICIES)} (write when "
+                    f"stored in CPU, or when evicted from CPU), got {policy!r}"
+                )
+            _int_at_least(f"{tier}_store_threshold", getattr(self, f"{tier}_store_threshold"),
+                          1, "requests using a block before the tier gets it")
+        ttl = self.redis_ttl_s
+        if ttl is not None and (
+                isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or ttl <= 0):
+            raise ConfigError(f"redis_ttl_s must be a number of seconds > 0 (or unset), "
+                              f"got {ttl!r}")
         if not isinstance(self.eviction_policy, str):
             raise ConfigError(f"eviction_policy must be a str, got {self.eviction_policy!r}")
         try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from vllm.v1.kv_offload.base import (
@@ -18,8 +19,10 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 from kvtier.manager import OffloadManager
 from kvtier.slots.region import DEFAULT_ALIGNMENT, PREFIX, SUFFIX, SlotRegion
 from kvtier.tiers.base import Tier
-from kvtier.tiers.cascade import TierCascade
+from kvtier.tiers.cascade import TierCascade, WritePolicy
+from kvtier.tiers.io_pool import SlotSource
 from kvtier.tiers.namespace import namespace_of
+from kvtier.tiers.ranks import RankedTier, RankRegions
 from kvtier.vllm.adapter import KVTierOffloadingManager
 from kvtier.vllm.metrics import metric_definitions
 from kvtier.vllm.settings import ConfigError, KVTierSettings
@@ -95,8 +98,9 @@ class KVTierSpec(OffloadingSpec):
             self._manager = KVTierOffloadingManager(manager, self._cascade(manager))
         return self._manager
 
-    def namespace(self) -> str:
-        """The shared tiers' namespace: model, KV dtype and geometry, rank, tenant."""
+    def namespace(self, rank: int | None = None) -> str:
+        """The shared tiers' namespace of one rank (default: this process's):
+        model, KV dtype and geometry, rank and world size, tenant."""
         c = self.config
         fingerprint = {
             "model": c.model.name,
@@ -105,49 +109,96 @@ class KVTierSpec(OffloadingSpec):
             "layers": [len(g.layer_names) for g in c.groups],
             "worker_kv_bytes_per_block": c.worker_kv_bytes_per_block,
             "kv_cache_layout": c.kv_cache_layout,
-            "rank": c.parallel.rank,
+            "rank": c.parallel.rank if rank is None else rank,
             "world_size": c.parallel.world_size,
         }
         raw = json.dumps(fingerprint, sort_keys=True, separators=(",", ":")).encode()
         return namespace_of(raw, self.settings.tenant_salt)
 
     def _cascade(self, manager: OffloadManager) -> TierCascade | None:
-        """Disk/Redis tiers behind the CPU tier, when configured (rank 0's region)."""
+        """Disk/Redis tiers behind the CPU tier, when configured. With several
+        ranks (tensor parallel), each tier keeps one value per rank
+        (``RankedTier``) and the cascade reads all ranks' slot regions."""
         s = self.settings
         if s.disk_path is None and s.redis_url is None:
             return None
-        if self.config.parallel.world_size != 1:
-            raise ConfigError("disk_path/redis_url need a single-worker engine for now")
-        namespace = self.namespace()
+        if self.config.parallel.pp_size != 1:
+            raise ConfigError(
+                "disk_path/redis_url support tensor parallel engines, not pipeline parallel "
+                f"ones (pp_size={self.config.parallel.pp_size}): ranks' blocks differ in size"
+            )
         tiers: list[Tier] = []
+        policies: list[WritePolicy] = []
+        thresholds: list[int] = []
         if s.disk_path is not None:
-            from kvtier.tiers.disk import DiskTier
-
-            assert s.disk_bytes is not None  # checked by the settings
-            tiers.append(DiskTier(s.disk_path, namespace, s.disk_bytes,
-                                  max_block_bytes=self.slot_bytes))
+            tiers.append(self._ranked(self._disk_tier))
+            policies.append(s.disk_write_policy)  # type: ignore[arg-type]  # validated
+            thresholds.append(s.disk_store_threshold)
         if s.redis_url is not None:
-            from kvtier.tiers.redis_tier import RedisTier
+            tiers.append(self._ranked(self._redis_tier))
+            policies.append(s.redis_write_policy)  # type: ignore[arg-type]  # validated
+            thresholds.append(s.redis_store_threshold)
+        return TierCascade(manager, self._region_attacher(), tiers, policies,
+                           store_threshold=thresholds, max_tracker_size=s.max_tracker_size)
 
-            tiers.append(RedisTier(s.redis_url, namespace, max_block_bytes=self.slot_bytes))
-        return TierCascade(manager, self._region_attacher(), tiers)
+    def _ranked(self, make: Callable[[int], Tier]) -> Tier:
+        """One tier per rank (``make(rank)``), as one ``RankedTier`` when several."""
+        world = max(1, self.config.parallel.world_size)
+        if world == 1:
+            return make(0)
+        tiers: list[Tier] = []
+        try:
+            for rank in range(world):
+                tiers.append(make(rank))
+        except BaseException:
+            for tier in tiers:
+                tier.close()
+            raise
+        return RankedTier(tiers)
 
-    def _region_attacher(self) -> Any:
-        """A callable attaching the worker's slot region on first success (None
-        until the worker created it; retried at most every ``ATTACH_RETRY_S``)."""
-        name = shared_region_name(self.config.engine_id, 0)
+    def _disk_tier(self, rank: int) -> Tier:
+        from kvtier.tiers.disk import DiskTier
+
+        s = self.settings
+        if s.disk_path is None or s.disk_bytes is None:
+            raise ConfigError("disk_bytes is required with disk_path")
+        share = s.disk_bytes // max(1, self.config.parallel.world_size)
+        return DiskTier(s.disk_path, self.namespace(rank), share, max_block_bytes=self.slot_bytes,
+                        enable_events=self.kv_events_config.enable_kv_cache_events)
+
+    def _redis_tier(self, rank: int) -> Tier:
+        from kvtier.tiers.redis_tier import RedisTier
+
+        s = self.settings
+        if s.redis_url is None:
+            raise ConfigError("redis_url is not set")
+        return RedisTier(s.redis_url, self.namespace(rank), ttl_s=s.redis_ttl_s,
+                         max_block_bytes=self.slot_bytes,
+                         enable_events=self.kv_events_config.enable_kv_cache_events)
+
+    def _region_attacher(self) -> Callable[[], SlotSource | None]:
+        """A callable attaching the workers' slot regions on first success (None
+        until every rank's worker created its region; retried at most every
+        ``ATTACH_RETRY_S``). Several ranks: a ``RankRegions`` in rank order."""
+        world = max(1, self.config.parallel.world_size)
+        names = [shared_region_name(self.config.engine_id, r) for r in range(world)]
         last_try = [-ATTACH_RETRY_S]
 
-        def attach() -> SlotRegion | None:
+        def attach() -> SlotSource | None:
             now = time.monotonic()
             if now - last_try[0] < ATTACH_RETRY_S:
                 return None
             last_try[0] = now
+            regions: list[SlotRegion] = []
             try:
-                return SlotRegion.attach(name, num_slots=self.num_slots,
-                                         slot_bytes=self.slot_bytes)
+                for name in names:
+                    regions.append(SlotRegion.attach(name, num_slots=self.num_slots,
+                                                     slot_bytes=self.slot_bytes))
             except FileNotFoundError:
+                for region in regions:
+                    region.close()
                 return None
+            return regions[0] if world == 1 else RankRegions(regions)
 
         return attach
 

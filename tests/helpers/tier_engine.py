@@ -1,10 +1,14 @@
 """One vLLM engine process for tests/test_vllm_tiers.py.
 
-``python tests/helpers/tier_engine.py MODEL DISK_PATH [REDIS_URL]`` starts a
-single-process engine with kvtier and a disk tier under DISK_PATH (``-``: no
-disk tier) and, with REDIS_URL, a Redis tier; it generates the test prompt
-once (greedy), waits for the cascade's writes, stops, and prints one JSON
-object: token ids, num_cached_tokens, the cascade's and its first tier's stats.
+``python tests/helpers/tier_engine.py MODEL DISK_PATH [REDIS_URL [EXTRA_JSON [ROUNDS]]]``
+starts a single-process engine with kvtier and a disk tier under DISK_PATH
+(``-``: no disk tier) and, with REDIS_URL (``-``: none), a Redis tier, plus the
+kvtier config keys of EXTRA_JSON; it generates the test prompt ROUNDS times
+(greedy, default 1; the engine's own prefix cache is reset between rounds),
+waits for the cascade's writes, stops, and prints one JSON object: token ids,
+num_cached_tokens (of the last round), the cascade's and its first tier's
+stats, and the cascade's stats after each round. ``KVTIER_TEST_TP``: the
+engine's tensor parallel size (default 1).
 """
 
 from __future__ import annotations
@@ -27,20 +31,30 @@ def main() -> None:
     tiers: dict[str, object] = {}
     if disk_path != "-":
         tiers.update(disk_path=disk_path, disk_bytes=64 << 20)
-    if len(sys.argv) > 3:
+    if len(sys.argv) > 3 and sys.argv[3] != "-":
         tiers["redis_url"] = sys.argv[3]
+    if len(sys.argv) > 4:
+        tiers.update(json.loads(sys.argv[4]))
+    rounds = int(sys.argv[5]) if len(sys.argv) > 5 else 1
     extra = E.kvtier_config(64 << 20, **tiers)
-    llm = E.start_engine(model, extra)
+    tp = int(os.environ.get("KVTIER_TEST_TP", "1"))
+    llm = E.start_engine(model, extra, E.EngineSettings(tensor_parallel_size=tp))
     try:
         core = llm.llm_engine.engine_core.engine_core  # type: ignore[attr-defined]
         adapter = core.scheduler.connector.connector_scheduler.manager
         cascade = adapter.cascade
-        out = E.generate(llm, [PROMPT])[0]
-        E.drain(llm)
-        deadline = time.monotonic() + 30
-        while not cascade.drain(1) and time.monotonic() < deadline:
-            E.drain(llm, 1)
+        per_round = []
+        for i in range(rounds):
+            if i:
+                llm.reset_prefix_cache()
+            out = E.generate(llm, [PROMPT])[0]
+            E.drain(llm)
+            deadline = time.monotonic() + 30
+            while not cascade.drain(1) and time.monotonic() < deadline:
+                E.drain(llm, 1)
+            per_round.append(cascade.stats())
         result = {
+            "rounds": per_round,
             "tokens": list(out.token_ids),
             "cached": out.num_cached_tokens,
             "cascade": cascade.stats(),

@@ -1,0 +1,215 @@
+"""The tier cascade's I/O threads and the jobs they run.
+
+Three kinds of job move between the scheduler thread and the pool:
+
+* :class:`PromotionJob`: read blocks from a lower tier into reserved CPU slots;
+* :class:`ProbeJob`: ask a remote tier which keys it holds (one batch);
+* :class:`WriteJob`: copy CPU slots (or owned copies of evicted slots) to tiers.
+
+A job is built and later applied on the scheduler thread; only its ``run``
+executes on an I/O thread, filling the job's result fields. The pool takes
+promotions and probes before writes, and both queues are bounded, so under
+backpressure writes are refused first (the caller counts them as dropped).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from kvtier.tiers.base import Tier, WarningLimiter
+
+logger = logging.getLogger(__name__)
+_warn = WarningLimiter(logger)
+
+
+class SlotSource(Protocol):
+    """Where the CPU tier's block bytes are: a ``SlotRegion`` (one array per
+    slot) or ``RankRegions`` (one ``ShardedSlot`` per slot, tensor parallel)."""
+
+    def slot_array(self, slot_id: int, /) -> Any: ...
+
+
+@dataclass(slots=True)
+class PromotionJob:
+    """Blocks to read into reserved slots; each tier of ``tiers`` is tried in
+    order for the keys still missing. ``ok[i]`` / ``source[i]``: result per key."""
+
+    keys: list[bytes]
+    slots: list[int]
+    tiers: list[Tier]
+    started: float
+    ok: list[bool] = field(default_factory=list)
+    source: list[str] = field(default_factory=list)
+
+    def run(self, region: SlotSource | None) -> None:
+        self.ok = [False] * len(self.keys)
+        self.source = [""] * len(self.keys)
+        if region is None:
+            return
+        buffers = [region.slot_array(s) for s in self.slots]
+        for tier in self.tiers:
+            todo = [i for i, done in enumerate(self.ok) if not done]
+            if not todo:
+                return
+            if not tier.available:
+                continue
+            try:
+                sizes = tier.get_into([self.keys[i] for i in todo], [buffers[i] for i in todo])
+            except Exception as exc:
+                _warn.warning("kvtier cascade: %s read failed: %s", tier.name, exc)
+                continue
+            for i, n in zip(todo, sizes, strict=True):
+                if n == buffers[i].nbytes:
+                    self.ok[i], self.source[i] = True, tier.name
+                elif n is not None:
+                    _warn.warning(
+                        "kvtier cascade: %s block of %d bytes for a %d-byte slot; ignored",
+                        tier.name, n, buffers[i].nbytes,
+                    )
+
+
+@dataclass(slots=True)
+class ProbeJob:
+    """One batched existence check of ``tier``; ``found`` is None until run,
+    all False when the tier failed."""
+
+    tier: Tier
+    keys: list[bytes]
+    found: list[bool] | None = None
+
+    def run(self, region: SlotSource | None) -> None:
+        try:
+            self.found = [bool(x) for x in self.tier.contains(self.keys)]
+        except Exception as exc:
+            _warn.warning("kvtier cascade: %s contains failed: %s", self.tier.name, exc)
+            self.found = [False] * len(self.keys)
+
+
+@dataclass(slots=True)
+class WriteJob:
+    """Blocks to copy to ``tiers``: from pinned ``slots``, or from ``copies``
+    (owned bytes of evicted slots) when set. Counts per block and tier."""
+
+    keys: list[bytes]
+    slots: list[int]
+    tiers: list[Tier]
+    copies: list[Any] | None = None
+    written: int = 0
+    skipped: int = 0
+    failed: int = 0
+
+    def run(self, region: SlotSource | None) -> None:
+        if self.copies is not None:
+            sources: list[Any] = self.copies
+        elif region is not None:
+            sources = [region.slot_array(s) for s in self.slots]
+        else:
+            self.failed += len(self.keys) * len(self.tiers)
+            return
+        for tier in self.tiers:
+            if not tier.available:
+                self.failed += len(self.keys)
+                continue
+            try:
+                held = tier.contains(self.keys)
+                items = [(k, b) for k, b, h in zip(self.keys, sources, held, strict=True) if not h]
+                self.skipped += len(self.keys) - len(items)
+                if items:
+                    ok = sum(1 for r in tier.put(items) if r)
+                    self.written += ok
+                    self.failed += len(items) - ok
+            except Exception as exc:
+                self.failed += len(self.keys)
+                _warn.warning("kvtier cascade: %s write failed: %s", tier.name, exc)
+
+
+Job = PromotionJob | ProbeJob | WriteJob
+
+
+class IOPool:
+    """Threads running jobs against one slot region.
+
+    Owns two bounded queues (reads: promotions and probes; writes), each at
+    most ``max_queue`` jobs, and the ``done`` queue of finished jobs, which the
+    owner drains with :meth:`take_done` (bounded by what was accepted). Reads
+    run before writes.
+    """
+
+    def __init__(self, threads: int, max_queue: int) -> None:
+        self.max_queue = max_queue
+        self.region: SlotSource | None = None
+        self._cond = threading.Condition()
+        self._reads: deque[PromotionJob | ProbeJob] = deque()
+        self._writes: deque[WriteJob] = deque()
+        self._done: deque[Job] = deque()
+        self._stopping = False
+        self._threads = [
+            threading.Thread(target=self._run, name=f"kvtier-io-{i}", daemon=True)
+            for i in range(threads)
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def reads_full(self) -> bool:
+        with self._cond:
+            return len(self._reads) >= self.max_queue
+
+    def submit(self, job: Job) -> bool:
+        """Queue ``job``; False (nothing queued) when its queue is full or the
+        pool is stopping."""
+        queue: deque = self._writes if isinstance(job, WriteJob) else self._reads
+        with self._cond:
+            if self._stopping or len(queue) >= self.max_queue:
+                return False
+            queue.append(job)
+            self._cond.notify()
+        return True
+
+    def take_done(self) -> list[Job]:
+        done = self._done
+        out = []
+        while done:
+            out.append(done.popleft())
+        return out
+
+    def has_done(self) -> bool:
+        return bool(self._done)
+
+    def queued(self) -> tuple[int, int]:
+        """(queued reads, queued writes)."""
+        with self._cond:
+            return len(self._reads), len(self._writes)
+
+    def _run(self) -> None:
+        cond = self._cond
+        while True:
+            with cond:
+                while not self._reads and not self._writes and not self._stopping:
+                    cond.wait()
+                if self._reads:
+                    job: Job = self._reads.popleft()
+                elif self._writes:
+                    job = self._writes.popleft()
+                else:
+                    return
+            try:
+                job.run(self.region)
+            except Exception as exc:
+                _warn.warning("kvtier cascade: I/O job failed: %s", exc)
+            self._done.append(job)
+
+    def shutdown(self, timeout_s: float) -> list[WriteJob]:
+        """Stop taking jobs, let running and queued reads finish, join the
+        threads; return the queued writes that were never run."""
+        with self._cond:
+            self._stopping = True
+            dropped = list(self._writes)
+            self._writes.clear()
+            self._cond.notify_all()
+        for thread in self._threads:
+            thread.join(timeout_s)
+        return dropped

@@ -1,0 +1,160 @@
+"""Lower tiers for a tensor-parallel engine: one block = one shard per rank.
+
+Each worker rank of an engine copies its shard of a block into slot ``i`` of
+its own slot region (``kvtier-<engine>-rank<r>.slots``); the scheduler's one
+manager owns slot ``i`` in all of them. For the tier cascade, which runs in
+the scheduler, the block is the set of those shards:
+
+* :class:`RankRegions` gives, for a slot, a :class:`ShardedSlot` (one array
+  per rank) where a single region would give one array;
+* :class:`RankedTier` stores a block as one value per rank, each in its own
+  per-rank tier (its namespace carries the rank), and holds the block only
+  when every rank's value is there and readable. A block with a missing or
+  corrupt shard is a miss as a whole, never a half-filled slot set.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from kvtier.slots.region import SlotRegion
+from kvtier.tiers.base import Tier, TierConfigError, TierEvent
+from kvtier.tiers.blockfile import BytesLike
+
+
+class ShardedSlot:
+    """The shards of one block, rank order; ``nbytes`` is their total."""
+
+    __slots__ = ("parts", "nbytes")
+
+    def __init__(self, parts: Sequence[np.ndarray]) -> None:
+        self.parts = list(parts)
+        self.nbytes = sum(p.nbytes for p in self.parts)
+
+    def copy(self) -> ShardedSlot:
+        """Owned copies of every shard (for write-on-evict)."""
+        return ShardedSlot([p.copy() for p in self.parts])
+
+
+class RankRegions:
+    """The slot regions of all ranks of one engine, same geometry, rank order.
+
+    Owns nothing but the list; the regions are closed by ``close``.
+    """
+
+    def __init__(self, regions: Sequence[SlotRegion]) -> None:
+        regions = list(regions)
+        if not regions:
+            raise ValueError("RankRegions needs at least one region")
+        shapes = {(r.num_slots, r.slot_bytes) for r in regions}
+        if len(shapes) != 1:
+            raise ValueError(f"ranks' slot regions differ in geometry: {sorted(shapes)}")
+        self.regions = regions
+        self.num_slots, self.slot_bytes = shapes.pop()
+
+    def slot_array(self, slot: int) -> ShardedSlot:
+        return ShardedSlot([r.slot_array(slot) for r in self.regions])
+
+    def close(self) -> None:
+        for region in self.regions:
+            region.close()
+
+
+class RankedTier(Tier):
+    """One tier per rank behind the ``Tier`` interface; buffers and payloads
+    are :class:`ShardedSlot` (one part per rank).
+
+    Invariants: ``contains`` is True only when every rank holds the key;
+    ``get_into`` returns the total size only when every rank's shard was read
+    whole, else None (the caller must not use any part); ``put`` is True only
+    when every rank stored its shard.
+    """
+
+    def __init__(self, tiers: Sequence[Tier]) -> None:
+        self.ranks = list(tiers)
+        if not self.ranks:
+            raise TierConfigError("RankedTier needs one tier per rank, got none")
+        self.name = self.ranks[0].name
+        self.namespace = self.ranks[0].namespace
+        self.remote = any(t.remote for t in self.ranks)
+
+    def _parts(self, buffers: Sequence[Any], rank: int) -> list[BytesLike]:
+        n = len(self.ranks)
+        out = []
+        for buf in buffers:
+            if not isinstance(buf, ShardedSlot) or len(buf.parts) != n:
+                raise TypeError(f"RankedTier needs ShardedSlot buffers of {n} parts")
+            out.append(buf.parts[rank])
+        return out
+
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        held = [True] * len(keys)
+        for tier in self.ranks:
+            for i, h in enumerate(tier.contains(keys)):
+                held[i] = held[i] and h
+        return held
+
+    def get_into(self, keys: Sequence[bytes], buffers: Sequence[Any]) -> list[int | None]:
+        total: list[int | None] = [0] * len(keys)
+        for rank, tier in enumerate(self.ranks):
+            parts = self._parts(buffers, rank)
+            todo = [i for i, t in enumerate(total) if t is not None]
+            if not todo:
+                break
+            sizes = tier.get_into([keys[i] for i in todo], [parts[i] for i in todo])
+            for i, n in zip(todo, sizes, strict=True):
+                prev = total[i]
+                whole = prev is not None and n is not None and n == memoryview(parts[i]).nbytes
+                total[i] = prev + n if whole and prev is not None and n is not None else None
+        return total
+
+    def get(self, keys: Sequence[bytes]) -> list[memoryview | None]:
+        """Each key's shards concatenated in rank order (tools, tests)."""
+        per_rank = [tier.get(keys) for tier in self.ranks]
+        out: list[memoryview | None] = []
+        for values in zip(*per_rank, strict=True):
+            out.append(None if any(v is None for v in values)
+                       else memoryview(b"".join(bytes(v) for v in values if v is not None)))
+        return out
+
+    def put(self, items: Sequence[tuple[bytes, Any]]) -> list[bool]:
+        keys = [k for k, _ in items]
+        ok = [True] * len(items)
+        for rank, tier in enumerate(self.ranks):
+            parts = self._parts([p for _, p in items], rank)
+            for i, stored in enumerate(tier.put(list(zip(keys, parts, strict=True)))):
+                ok[i] = ok[i] and stored
+        return ok
+
+    def delete(self, keys: Sequence[bytes]) -> int:
+        counts = [tier.delete(keys) for tier in self.ranks]
+        return max(counts)
+
+    def stats(self) -> dict[str, int | float | str]:
+        """Integer counters summed over ranks; other entries from rank 0."""
+        out = dict(self.ranks[0].stats())
+        for tier in self.ranks[1:]:
+            for name, value in tier.stats().items():
+                if isinstance(value, int) and isinstance(out.get(name), int):
+                    out[name] = int(out[name]) + value
+        out["ranks"] = len(self.ranks)
+        return out
+
+    def take_events(self) -> list[TierEvent]:
+        """Rank 0's events, plus removals seen on other ranks (a block missing
+        one shard is gone as a whole)."""
+        events = list(self.ranks[0].take_events())
+        for tier in self.ranks[1:]:
+            events.extend(e for e in tier.take_events() if e.kind in ("removed", "corrupt"))
+        return events
+
+    @property
+    def available(self) -> bool:
+        return all(t.available for t in self.ranks)
+
+    def close(self) -> None:
+        for tier in self.ranks:
+            tier.close()

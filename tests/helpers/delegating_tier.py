@@ -1,0 +1,43 @@
+"""A Tier that forwards every call to a real tier; tests subclass it to delay
+or count calls (the bytes still come from the real tier, never from a fake)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvtier.tiers import Tier, TierEvent
+from kvtier.tiers.blockfile import BytesLike
+
+
+class DelegatingTier(Tier):
+    def __init__(self, inner: Tier) -> None:
+        self.inner, self.name, self.namespace = inner, inner.name, inner.namespace
+        self.remote = inner.remote
+
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        return self.inner.contains(keys)
+
+    def get_into(self, keys: Sequence[bytes], buffers: Sequence[BytesLike]) -> list[int | None]:
+        return self.inner.get_into(keys, buffers)
+
+    def get(self, keys: Sequence[bytes]) -> list[memoryview | None]:
+        return self.inner.get(keys)
+
+    def put(self, items: Sequence[tuple[bytes, BytesLike]]) -> list[bool]:
+        return self.inner.put(items)
+
+    def delete(self, keys: Sequence[bytes]) -> int:
+        return self.inner.delete(keys)
+
+    def stats(self) -> dict[str, int | float | str]:
+        return self.inner.stats()
+
+    def take_events(self) -> list[TierEvent]:
+        return self.inner.take_events()
+
+    @property
+    def available(self) -> bool:
+        return self.inner.available
+
+    def close(self) -> None:
+        self.inner.close()

@@ -1,0 +1,148 @@
+"""Tensor-parallel engines: a block is one shard per rank (RankRegions,
+RankedTier), through the real cascade with real slot regions and disk tiers."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvtier import OffloadManager, RequestContext, block_key
+from kvtier.results import LookupResult
+from kvtier.slots.region import SlotRegion
+from kvtier.tiers import DiskTier, KVLayout
+from kvtier.tiers.cascade import TierCascade
+from kvtier.tiers.ranks import RankedTier, RankRegions, ShardedSlot
+
+SIZE = 4096
+SLOTS = 4
+RANKS = 2
+
+
+def shard(i: int, rank: int) -> np.ndarray:
+    return np.random.default_rng([i, rank]).integers(0, 256, SIZE, dtype=np.uint8)
+
+
+@pytest.fixture
+def regions(tmp_path: Path) -> Iterator[RankRegions]:
+    made = [SlotRegion.create(f"ranks-test-{r}", SLOTS, SIZE, shm_dir=tmp_path)
+            for r in range(RANKS)]
+    yield RankRegions(made)
+    for region in made:
+        region.close()
+
+
+def disks(tmp_path: Path) -> RankedTier:
+    return RankedTier([
+        DiskTier(tmp_path / "disk", KVLayout("m", "bfloat16", 16, 2, 2, 64, tp_rank=r,
+                                             tp_size=RANKS).namespace(),
+                 16 << 20, free_reserve_bytes=0)
+        for r in range(RANKS)
+    ])
+
+
+def store(c: TierCascade, regions: RankRegions, ids: list[int], req: str) -> None:
+    ctx = RequestContext(req)
+    keys = [block_key(i) for i in ids]
+    out = c.prepare_store(keys, ctx)
+    assert out is not None
+    for key, slot in zip(out.keys_to_store, out.block_ids, strict=True):
+        for rank, part in enumerate(regions.slot_array(slot).parts):
+            part[:] = shard(ids[keys.index(key)], rank)
+    c.complete_store(out.keys_to_store, ctx)
+    c.on_request_finished(ctx)
+
+
+def settle(c: TierCascade, key: bytes, ctx: RequestContext) -> LookupResult:
+    for _ in range(5000):
+        r = c.lookup_one(key, ctx)
+        if r not in (LookupResult.HIT_PENDING, LookupResult.RETRY):
+            return r
+        c.on_schedule_end()
+        c.drain(1)
+    raise AssertionError("lookup never settled")
+
+
+def evict(c: TierCascade, regions: RankRegions) -> None:
+    assert c.drain()
+    store(c, regions, list(range(100, 100 + SLOTS)), "filler")
+    assert c.drain()
+
+
+@pytest.mark.parametrize("policy", ["store", "evict"])
+def test_every_rank_gets_its_shard_back(
+    tmp_path: Path, regions: RankRegions, policy: str
+) -> None:
+    tier = disks(tmp_path)
+    c = TierCascade(OffloadManager(SLOTS), regions, [tier], write_policy=policy)  # type: ignore[arg-type]
+    try:
+        store(c, regions, [0, 1], "a")
+        evict(c, regions)
+        assert not c.manager.contains(block_key(0))
+        for rank_tier in tier.ranks:
+            assert rank_tier.contains([block_key(0), block_key(1)]) == [True, True]
+        ctx = RequestContext("b")
+        assert settle(c, block_key(0), ctx) is LookupResult.HIT
+        slot = c.manager.prepare_load([block_key(0)], ctx).block_ids[0]
+        for rank, part in enumerate(regions.slot_array(slot).parts):
+            assert np.array_equal(part, shard(0, rank))  # each rank its own bytes
+        c.manager.complete_load([block_key(0)], ctx)
+    finally:
+        c.shutdown()
+
+
+def test_a_block_missing_one_shard_is_a_miss(tmp_path: Path, regions: RankRegions) -> None:
+    tier = disks(tmp_path)
+    c = TierCascade(OffloadManager(SLOTS), regions, [tier])
+    try:
+        store(c, regions, [0, 1], "a")
+        evict(c, regions)
+        tier.ranks[1].delete([block_key(0)])
+        assert tier.contains([block_key(0), block_key(1)]) == [False, True]
+        assert settle(c, block_key(0), RequestContext("b")) is LookupResult.MISS
+    finally:
+        c.shutdown()
+
+
+def test_a_corrupt_shard_fails_the_whole_promotion(
+    tmp_path: Path, regions: RankRegions
+) -> None:
+    tier = disks(tmp_path)
+    c = TierCascade(OffloadManager(SLOTS), regions, [tier])
+    try:
+        store(c, regions, [0], "a")
+        evict(c, regions)
+        rank1 = tier.ranks[1]
+        assert isinstance(rank1, DiskTier)
+        path = Path(rank1._file(block_key(0)))
+        raw = bytearray(path.read_bytes())
+        raw[-1] ^= 0xFF  # rank 1's shard only; rank 0's is intact
+        path.write_bytes(bytes(raw))
+        assert settle(c, block_key(0), RequestContext("b")) is LookupResult.MISS
+        assert c.stats()["promotion_failures"] == 1
+        assert c.manager.stats()["write_pending"] == 0 and not c.manager.contains(block_key(0))
+    finally:
+        c.shutdown()
+
+
+def test_sharded_buffers_are_checked(tmp_path: Path, regions: RankRegions) -> None:
+    tier = disks(tmp_path)
+    try:
+        with pytest.raises(TypeError, match="ShardedSlot"):
+            tier.put([(block_key(0), np.zeros(SIZE, np.uint8))])
+        with pytest.raises(TypeError, match="ShardedSlot"):
+            tier.put([(block_key(0), ShardedSlot([np.zeros(SIZE, np.uint8)]))])
+        assert tier.put([(block_key(0), regions.slot_array(0))]) == [True]
+        got = tier.get([block_key(0)])[0]
+        assert got is not None and len(got) == RANKS * SIZE
+    finally:
+        tier.close()
+
+
+def test_rank_regions_must_share_a_geometry(tmp_path: Path) -> None:
+    with SlotRegion.create("g1", SLOTS, SIZE, shm_dir=tmp_path) as a, \
+            SlotRegion.create("g2", SLOTS + 1, SIZE, shm_dir=tmp_path) as b, \
+            pytest.raises(ValueError, match="geometry"):
+        RankRegions([a, b])
