@@ -28,9 +28,10 @@ OFFLOADED_TOKENS = 192  # PROMPT: 200 tokens, 6 full blocks of 32
 
 def run_engine(
     model: Path, disk: Path | None, redis_url: str | None = None,
-    extra: dict[str, Any] | None = None, rounds: int = 1, tp: int = 1,
+    extra: dict[str, Any] | None = None, rounds: int = 1, tp: int = 1, metrics: bool = False,
 ) -> dict[str, Any]:
     env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING", "KVTIER_TEST_TP": str(tp),
+           "KVTIER_TEST_METRICS": "1" if metrics else "0",
            "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
     args = [sys.executable, HELPER, str(model), "-" if disk is None else str(disk),
             redis_url or "-", json.dumps(extra or {}), str(rounds)]
@@ -99,15 +100,25 @@ def test_tensor_parallel_engine_is_served_from_the_disk_tier(tmp_path: Path) -> 
 
 def test_disk_store_threshold_two_writes_on_the_second_use(tmp_path: Path) -> None:
     """Round 1 stores the prompt's blocks in CPU only; round 2 (engine prefix
-    cache reset) hits them in kvtier, their second use: now they go to disk."""
+    cache reset) hits them in kvtier, their second use: now they go to disk.
+    The same figures reach Prometheus through vLLM's stats."""
     model = build_tiny_llama(tmp_path / "tiny-llama")
-    run = run_engine(model, tmp_path / "disk", extra={"disk_store_threshold": 2}, rounds=2)
+    run = run_engine(model, tmp_path / "disk", extra={"disk_store_threshold": 2}, rounds=2,
+                     metrics=True)
     blocks = OFFLOADED_TOKENS // 32
     first, second = run["rounds"]
     assert first["cascade_writes"] == 0 and first["writes_not_admitted"] >= blocks
     assert second["cascade_writes"] == blocks
     assert run["cached"] >= OFFLOADED_TOKENS  # round 2 was served from kvtier
     assert run["disk"]["stores"] == blocks
+    m = run["metrics"]
+    assert m["vllm:kvtier_hits_total{}"] == blocks
+    assert m["vllm:kvtier_stores_total{}"] == blocks
+    assert m["vllm:kvtier_cascade_writes_total{}"] == blocks
+    assert m["vllm:kvtier_writes_not_admitted_total{}"] >= blocks
+    assert m["vllm:kvtier_tier_stores_total{tier=disk}"] == blocks
+    assert m["vllm:kvtier_tier_available{tier=disk}"] == 1
+    assert m["vllm:kvtier_resident{}"] == blocks
 
 
 # ---------------------------------------------------------------- vLLM settings
@@ -193,3 +204,28 @@ def test_adapter_reports_retry_and_lower_tier_events(tmp_path: Path) -> None:
                 is LookupResult.RETRY
         finally:
             adapter.shutdown()
+
+
+def test_every_reported_metric_is_defined() -> None:
+    """fill_stats only reports names vLLM registered (an undefined one is dropped
+    or fails at runtime), with the labels they were defined with."""
+    from kvtier.vllm.metrics import fill_stats, metric_definitions
+
+    defs = metric_definitions()
+    stats = {name: 1 for name in ("hits", "misses", "stores", "evictions", "stores_skipped",
+                                  "allocation_failures", "resident", "pinned", "leased",
+                                  "write_pending", "promotions", "probes", "cascade_writes",
+                                  "writes_not_admitted", "write_failures", "dropped_writes",
+                                  "promotion_failures", "promotions_deferred",
+                                  "duplicate_writes_skipped")}
+    tiers = {"disk": {"hits": 2, "corrupt": 1, "available": True},
+             "redis": {"errors": 3, "available": False}}
+    reported: dict[str, int] = {}
+    values = fill_stats(stats, 10, reported, tiers).data["data"]
+    assert set(values) <= set(defs)
+    for name, by_labels in values.items():
+        assert all(len(labels) == len(defs[name].labelnames) for labels in by_labels), name
+    assert values["vllm:kvtier_tier_available"][("redis",)] == 0
+    assert values["vllm:kvtier_tier_corrupt"][("disk",)] == 1
+    again = fill_stats(stats, 10, reported, tiers).data["data"]  # nothing new: no increase
+    assert "vllm:kvtier_tier_corrupt" not in again and "vllm:kvtier_hits" not in again

@@ -543,6 +543,16 @@ class TierCascade:
             "failed_keys": len(self._failed),
         }
 
+    def tier_stats(self) -> dict[str, dict[str, object]]:
+        """Each lower tier's ``stats()`` plus ``available``, by tier name."""
+        out: dict[str, dict[str, object]] = {}
+        for tier in self.tiers:
+            try:
+                out[tier.name] = {**tier.stats(), "available": tier.available}
+            except Exception as exc:
+                self._warn.warning("kvtier cascade: %s stats failed: %s", tier.name, exc)
+        return out
+
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Drop queued writes, finish running jobs, join the threads, close owned tiers."""
         self._submit_promotions()  # batched reservations are released through poll

@@ -134,9 +134,11 @@ class KVTierOffloadingManager(OffloadingManager):
 
     def get_stats(self) -> Any:
         stats = self.manager.stats()
+        tiers = None
         if self.cascade is not None:
             stats.update(self.cascade.stats())
-        return fill_stats(stats, self.manager.num_blocks, self._reported)
+            tiers = self.cascade.tier_stats()
+        return fill_stats(stats, self.manager.num_blocks, self._reported, tiers)
 
     def on_schedule_end(self, context: Any) -> None:
         if self.cascade is not None:

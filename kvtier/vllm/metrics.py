@@ -19,10 +19,28 @@ COUNTERS = {
 TIER_COUNTERS = {
     "promotions": "Block promotions from the disk/Redis tiers into CPU slots started.",
     "promotion_failures": "Promotions that failed (miss, corrupt, I/O error, timeout).",
+    "promotions_deferred": "Lower-tier hits not promoted because the read queue was full.",
+    "probes": "Keys whose presence in Redis was checked in a batch (asynchronous lookups).",
     "cascade_writes": "Blocks written from CPU slots to the disk/Redis tiers.",
+    "duplicate_writes_skipped": "Block writes skipped because the tier held the block.",
+    "writes_not_admitted": "Block writes refused by a tier's admission (*_store_threshold).",
+    "write_failures": "Block writes a tier refused or failed (full, I/O error, down).",
     "dropped_writes": "Block writes to the disk/Redis tiers dropped (queue full, tier down).",
 }
 """Counters of ``TierCascade.stats()``, reported when disk/Redis tiers are configured."""
+
+PER_TIER_COUNTERS = {
+    "hits": "Blocks read from this tier (promotions that found their block).",
+    "misses": "Blocks asked of this tier and not found.",
+    "stores": "Blocks written to this tier.",
+    "dropped_stores": "Blocks this tier dropped (no room, ENOSPC, server down).",
+    "corrupt": "Values that failed their checksum or header check and were removed.",
+    "evictions": "Blocks this tier evicted itself (disk; Redis evicts server-side).",
+    "errors": "I/O or server failures.",
+}
+"""Counters of each tier's ``stats()``, labelled ``tier`` (``disk``, ``redis``)."""
+
+TIER_LABELS = ("tier",)
 
 GAUGES = {
     "resident": "Blocks held in kvtier's CPU tier.",
@@ -45,22 +63,51 @@ def metric_definitions() -> dict[str, Any]:
         {METRIC_PREFIX + name: OffloadingGaugeMetadata(documentation=doc)
          for name, doc in GAUGES.items()}
     )
+    defs.update(
+        {METRIC_PREFIX + "tier_" + name: OffloadingCounterMetadata(
+            documentation=doc, labelnames=TIER_LABELS)
+         for name, doc in PER_TIER_COUNTERS.items()}
+    )
+    defs[METRIC_PREFIX + "tier_available"] = OffloadingGaugeMetadata(
+        documentation="1 while the tier serves, 0 while its circuit breaker is open.",
+        labelnames=TIER_LABELS)
     return defs
 
 
-def fill_stats(stats: dict[str, int], num_blocks: int, reported: dict[str, int]) -> Any:
-    """vLLM stats for the interval since the last call; ``reported`` keeps counter totals."""
+def fill_stats(
+    stats: dict[str, int],
+    num_blocks: int,
+    reported: dict[str, int],
+    tiers: dict[str, dict[str, Any]] | None = None,
+) -> Any:
+    """vLLM stats for the interval since the last call; ``reported`` keeps counter
+    totals (one entry per metric and tier). ``tiers``: each lower tier's
+    ``stats()`` plus ``available``, by tier name."""
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
         OffloadingConnectorStats,
     )
 
     out = OffloadingConnectorStats()
     for name in (*COUNTERS, *(n for n in TIER_COUNTERS if n in stats)):
-        delta = stats[name] - reported.get(name, 0)
-        reported[name] = stats[name]
-        if delta > 0:
-            out.increase_counter(METRIC_PREFIX + name, delta)
+        _count(out, reported, name, stats[name])
     for name in ("resident", "pinned", "leased", "write_pending"):
         out.set_gauge(METRIC_PREFIX + name, stats[name])
     out.set_gauge(METRIC_PREFIX + "usage_ratio", stats["resident"] / num_blocks)
+    for tier, tier_stats in (tiers or {}).items():
+        for name in PER_TIER_COUNTERS:
+            value = tier_stats.get(name)
+            if isinstance(value, int):
+                _count(out, reported, "tier_" + name, value, tier)
+        out.set_gauge(METRIC_PREFIX + "tier_available",
+                      1 if tier_stats.get("available", True) else 0, (tier,))
     return out
+
+
+def _count(out: Any, reported: dict[str, int], name: str, total: int, tier: str = "") -> None:
+    """Report the increase of counter ``name`` (of ``tier``) since the last call."""
+    slot = f"{name}|{tier}"
+    delta = total - reported.get(slot, 0)
+    reported[slot] = total
+    if delta > 0:
+        labels = (tier,) if tier else ()
+        out.increase_counter(METRIC_PREFIX + name, delta, labels)

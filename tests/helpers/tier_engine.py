@@ -8,7 +8,9 @@ kvtier config keys of EXTRA_JSON; it generates the test prompt ROUNDS times
 waits for the cascade's writes, stops, and prints one JSON object: token ids,
 num_cached_tokens (of the last round), the cascade's and its first tier's
 stats, and the cascade's stats after each round. ``KVTIER_TEST_TP``: the
-engine's tensor parallel size (default 1).
+engine's tensor parallel size (default 1). ``KVTIER_TEST_METRICS=1``: keep
+vLLM's stats and add ``metrics``, kvtier's Prometheus samples
+(``name{label=value,...}`` -> value).
 """
 
 from __future__ import annotations
@@ -26,6 +28,20 @@ from kvtier.demo.tiny_model import token_prompt
 PROMPT = token_prompt(200)
 
 
+def kvtier_samples() -> dict[str, float]:
+    """kvtier's samples in this process's Prometheus registry (engine labels dropped)."""
+    from prometheus_client import REGISTRY
+
+    out = {}
+    for metric in REGISTRY.collect():
+        for sample in metric.samples:
+            if sample.name.startswith("vllm:kvtier_") and not sample.name.endswith("_created"):
+                labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items())
+                                  if k not in ("model_name", "engine"))
+                out[f"{sample.name}{{{labels}}}"] = sample.value
+    return out
+
+
 def main() -> None:
     model, disk_path = sys.argv[1], sys.argv[2]
     tiers: dict[str, object] = {}
@@ -38,7 +54,9 @@ def main() -> None:
     rounds = int(sys.argv[5]) if len(sys.argv) > 5 else 1
     extra = E.kvtier_config(64 << 20, **tiers)
     tp = int(os.environ.get("KVTIER_TEST_TP", "1"))
-    llm = E.start_engine(model, extra, E.EngineSettings(tensor_parallel_size=tp))
+    metrics = os.environ.get("KVTIER_TEST_METRICS") == "1"
+    llm = E.start_engine(model, extra,
+                         E.EngineSettings(tensor_parallel_size=tp, log_stats=metrics))
     try:
         core = llm.llm_engine.engine_core.engine_core  # type: ignore[attr-defined]
         adapter = core.scheduler.connector.connector_scheduler.manager
@@ -61,6 +79,8 @@ def main() -> None:
             "disk": {k: v for k, v in cascade.tiers[0].stats().items()
                      if isinstance(v, int)},
         }
+        if metrics:
+            result["metrics"] = kvtier_samples()
     finally:
         E.stop_engine(llm)
     print("RESULT " + json.dumps(result))
