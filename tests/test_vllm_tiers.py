@@ -71,11 +71,15 @@ def test_second_engine_is_served_from_the_redis_tier(tmp_path: Path) -> None:
         assert first["cascade"]["cascade_writes"] >= OFFLOADED_TOKENS // 32
         assert first["cascade"]["dropped_writes"] == 0
         second = run_engine(model, None, server.url)
+        third = run_engine(model, None, server.url, extra={"redis_async_lookups": False})
     assert second["cached"] >= OFFLOADED_TOKENS
+    assert second["cascade"]["probes"] >= OFFLOADED_TOKENS // 32  # asked in batches
     assert second["cascade"]["promotions"] >= OFFLOADED_TOKENS // 32
     assert second["cascade"]["promotion_failures"] == 0
     assert second["tokens"] == first["tokens"]
     assert second["cascade"]["cascade_writes"] == 0  # Redis held every block already
+    assert third["cached"] >= OFFLOADED_TOKENS and third["tokens"] == first["tokens"]
+    assert third["cascade"]["probes"] == 0  # asked on the scheduler thread
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="TP=2 needs 2 CPUs")
@@ -145,6 +149,7 @@ def test_tier_settings_are_validated() -> None:
     ({"redis_write_policy": "evict", "redis_url": None}, "redis_url"),
     ({"redis_ttl_s": 0}, "redis_ttl_s"),
     ({"redis_ttl_s": True}, "redis_ttl_s"),
+    ({"redis_async_lookups": "yes"}, "redis_async_lookups"),
 ])
 def test_per_tier_settings_are_validated(bad: dict[str, Any], named: str) -> None:
     from kvtier.vllm.settings import ConfigError, KVTierSettings

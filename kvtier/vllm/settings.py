@@ -64,6 +64,10 @@ class KVTierSettings:
     """As ``disk_write_policy``, for the Redis tier."""
     redis_store_threshold: int = 1
     """As ``disk_store_threshold``, for the Redis tier."""
+    redis_async_lookups: bool = True
+    """Ask Redis which blocks it holds in batches on an I/O thread (lookups
+    answer RETRY meanwhile; a new request waits a scheduler step) rather than
+    one round trip per request on the scheduler thread."""
     redis_ttl_s: float | None = None
     """Expiry of every Redis value in seconds; None: none (the server's
     ``maxmemory`` and ``maxmemory-policy`` bound the tier)."""
@@ -133,6 +137,9 @@ class KVTierSettings:
                 )
             _int_at_least(f"{tier}_store_threshold", getattr(self, f"{tier}_store_threshold"),
                           1, "requests using a block before the tier gets it")
+        if not isinstance(self.redis_async_lookups, bool):
+            raise ConfigError(f"redis_async_lookups must be true or false, "
+                              f"got {self.redis_async_lookups!r}")
         ttl = self.redis_ttl_s
         if ttl is not None and (
                 isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or ttl <= 0):

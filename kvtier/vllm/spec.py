@@ -139,7 +139,8 @@ class KVTierSpec(OffloadingSpec):
             policies.append(s.redis_write_policy)  # type: ignore[arg-type]  # validated
             thresholds.append(s.redis_store_threshold)
         return TierCascade(manager, self._region_attacher(), tiers, policies,
-                           store_threshold=thresholds, max_tracker_size=s.max_tracker_size)
+                           store_threshold=thresholds, max_tracker_size=s.max_tracker_size,
+                           async_lookups=s.redis_async_lookups)
 
     def _ranked(self, make: Callable[[int], Tier]) -> Tier:
         """One tier per rank (``make(rank)``), as one ``RankedTier`` when several."""
