@@ -50,9 +50,13 @@ def test_second_engine_is_served_from_the_disk_tier(tmp_path: Path) -> None:
     assert first["cached"] == 0
     assert first["cascade"]["cascade_writes"] >= OFFLOADED_TOKENS // 32
     assert first["cascade"]["dropped_writes"] == 0
-    second = run_engine(model, disk)
+    second = run_engine(model, disk, metrics=True)
     assert second["cached"] >= OFFLOADED_TOKENS
     assert second["cascade"]["promotions"] >= OFFLOADED_TOKENS // 32
+    by_source = second["metrics"]
+    assert by_source["vllm:prompt_tokens_cached_by_source_total{source=disk}"] == OFFLOADED_TOKENS
+    assert by_source["vllm:prompt_tokens_cached_by_source_total{source=host}"] == 0
+    assert by_source["vllm:kvtier_tier_hits_total{tier=disk}"] == OFFLOADED_TOKENS // 32
     assert second["cascade"]["promotion_failures"] == 0
     assert second["tokens"] == first["tokens"]
     assert second["cascade"]["cascade_writes"] == 0  # the disk held every block already
@@ -123,6 +127,8 @@ def test_disk_store_threshold_two_writes_on_the_second_use(tmp_path: Path) -> No
     assert m["vllm:kvtier_tier_stores_total{tier=disk}"] == blocks
     assert m["vllm:kvtier_tier_available{tier=disk}"] == 1
     assert m["vllm:kvtier_resident{}"] == blocks
+    assert m["vllm:prompt_tokens_cached_by_source_total{source=host}"] == OFFLOADED_TOKENS
+    assert m["vllm:prompt_tokens_cached_by_source_total{source=disk}"] == 0
 
 
 # ---------------------------------------------------------------- vLLM settings

@@ -123,7 +123,8 @@ class TierCascade:
             than one round trip per key on the caller's thread.
         probe_ttl_s / probe_timeout_s / max_probes: see ``ExistenceProbes``.
         failure_ttl_s / max_failed: how long, and for how many keys, a failed
-            promotion is remembered as a miss.
+            promotion is remembered as a miss (``max_failed`` also bounds the
+            remembered sources of successful promotions).
         promotion_timeout_s: a promotion running longer is reported as a miss.
         own_tiers: close the tiers on ``shutdown``.
     """
@@ -188,6 +189,7 @@ class TierCascade:
         self._batching: dict[tuple[int, ...], PromotionJob] = {}  # this step's promotions
         self._inflight: dict[bytes, PromotionJob] = {}
         self._failed: OrderedDict[bytes, float] = OrderedDict()  # key -> retry-after time
+        self._sources: OrderedDict[bytes, str] = OrderedDict()  # promoted key -> tier name
         self._pending_writes = 0
         self._probes_in_flight = 0
         self.counters = dict.fromkeys(COUNTERS, 0)
@@ -227,6 +229,15 @@ class TierCascade:
         if self._recently_failed(key):
             return LookupResult.MISS
         return self._look_below(key, ctx)
+
+    def is_promoting(self, key: bytes) -> bool:
+        """Whether ``key`` is being promoted from a lower tier now."""
+        return key in self._inflight
+
+    def source_of(self, key: bytes) -> str | None:
+        """The tier a recent promotion of ``key`` read it from (the last
+        ``max_failed`` promotions are remembered), or None."""
+        return self._sources.get(key)
 
     def _recently_failed(self, key: bytes) -> bool:
         until = self._failed.get(key)
@@ -349,9 +360,16 @@ class TierCascade:
         for key in job.keys:
             self._inflight.pop(key, None)
         self.manager.complete_reserve(good, success=True)
+        sources = self._sources
         for key, source in zip(job.keys, job.source or [""] * len(job.keys), strict=True):
-            if source and any(n != source for n in self._store_tier_names):
+            if not source:
+                continue
+            sources[key] = source
+            sources.move_to_end(key)
+            if any(n != source for n in self._store_tier_names):
                 self._due[key] = None  # another store tier may want what one tier held
+        while len(sources) > self.max_failed:
+            sources.popitem(last=False)
         if not bad:
             return
         self.manager.complete_reserve(bad, success=False)
@@ -526,6 +544,7 @@ class TierCascade:
             logger.warning("kvtier cascade: reset with I/O jobs still running")
         self.manager.reset()
         self._failed.clear()
+        self._sources.clear()
         if self._uses is not None:
             self._uses.clear()
         for low in self.lower:

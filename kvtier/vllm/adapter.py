@@ -19,6 +19,7 @@ from vllm.v1.kv_offload.base import (
     LookupResult as VllmLookupResult,
 )
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.manager import OffloadManager
 from kvtier.request import RequestContext
@@ -28,6 +29,21 @@ from kvtier.vllm.metrics import fill_stats
 
 _LOCALITY = {"DISK": Locality.LOCAL, "REDIS": Locality.REMOTE}
 """Where a lower tier's blocks live, by event medium (the tier's name upper-cased)."""
+
+_HIT_SOURCE = {"disk": CacheHitSource.DISK}
+"""vLLM's hit source of a block promoted from a tier, by tier name (others:
+``EXTERNAL_UNSPECIFIED``, vLLM has no member for a shared remote store)."""
+
+
+class _Promoted:
+    """Keys a request waited on a promotion for (its per-request state in
+    vLLM's ``ReqContext``; bounded by the request's blocks)."""
+
+    __slots__ = ("keys",)
+
+    def __init__(self) -> None:
+        self.keys: set[bytes] = set()
+
 
 _LOOKUP = {
     LookupResult.MISS: VllmLookupResult.MISS,
@@ -71,9 +87,26 @@ class KVTierOffloadingManager(OffloadingManager):
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> VllmLookupResult:
         ctx = self.context(req_context)
-        if self.cascade is not None:
-            return _LOOKUP[self.cascade.lookup_one(key, ctx)]
-        return _LOOKUP[self.manager.lookup_one(key, ctx)]
+        cascade = self.cascade
+        if cascade is None:
+            return _LOOKUP[self.manager.lookup_one(key, ctx)]
+        result = cascade.lookup_one(key, ctx)
+        if result is LookupResult.HIT_PENDING and cascade.is_promoting(key):
+            promoted = req_context.get_state(_Promoted)
+            if promoted is None:
+                promoted = _Promoted()
+                req_context.set_state(promoted)
+            promoted.keys.add(key)
+        return _LOOKUP[result]
+
+    def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
+        """HOST for a block found in CPU; the lower tier's source for one this
+        request waited on a promotion for."""
+        promoted = req_context.get_state(_Promoted)
+        if self.cascade is None or promoted is None or key not in promoted.keys:
+            return CacheHitSource.HOST
+        tier = self.cascade.source_of(key)
+        return _HIT_SOURCE.get(tier or "", CacheHitSource.EXTERNAL_UNSPECIFIED)
 
     def prepare_load(
         self, keys: Collection[OffloadKey], req_context: ReqContext

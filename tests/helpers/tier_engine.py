@@ -29,13 +29,15 @@ PROMPT = token_prompt(200)
 
 
 def kvtier_samples() -> dict[str, float]:
-    """kvtier's samples in this process's Prometheus registry (engine labels dropped)."""
+    """kvtier's samples and vLLM's cached tokens by source, from this process's
+    Prometheus registry (engine labels dropped)."""
     from prometheus_client import REGISTRY
 
     out = {}
     for metric in REGISTRY.collect():
         for sample in metric.samples:
-            if sample.name.startswith("vllm:kvtier_") and not sample.name.endswith("_created"):
+            wanted = sample.name.startswith(("vllm:kvtier_", "vllm:prompt_tokens_cached_by"))
+            if wanted and not sample.name.endswith("_created"):
                 labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items())
                                   if k not in ("model_name", "engine"))
                 out[f"{sample.name}{{{labels}}}"] = sample.value
