@@ -250,7 +250,18 @@ def replay_tiered(
                 cstats = cascade.stats()
             finally:
                 cascade.shutdown()
-    stats = mgr.stats()
+    settings = {"policy": policy, "capacity": capacity, "disk_blocks": disk_blocks,
+                "store_threshold": store_threshold,
+                "disk_store_threshold": disk_store_threshold,
+                "disk_write_policy": disk_write_policy}
+    return _result(settings, requests, r, mgr.stats(), cstats, time.perf_counter() - start)
+
+
+def _result(
+    settings: dict[str, Any], requests: Sequence[list[bytes]], r: _Replayer,
+    stats: dict[str, int], cstats: dict[str, int], seconds: float,
+) -> TieredReplayResult:
+    """The figures of a finished replay (``stats``: the manager's, ``cstats``: the cascade's)."""
     offered = sum(map(len, requests))
     hits = r.cpu_hits + r.disk_hits
 
@@ -258,9 +269,7 @@ def replay_tiered(
         return n / offered if offered else 0.0
 
     return TieredReplayResult(
-        policy=policy, capacity=capacity, disk_blocks=disk_blocks,
-        store_threshold=store_threshold, disk_store_threshold=disk_store_threshold,
-        disk_write_policy=disk_write_policy, requests=len(requests), offered_blocks=offered,
+        **settings, requests=len(requests), offered_blocks=offered,
         hit_blocks=hits, cpu_hit_blocks=r.cpu_hits, disk_hit_blocks=r.disk_hits,
         hit_ratio=ratio(hits), cpu_hit_ratio=ratio(r.cpu_hits),
         disk_hit_ratio=ratio(r.disk_hits),
@@ -270,5 +279,5 @@ def replay_tiered(
         duplicate_writes_skipped=cstats["duplicate_writes_skipped"],
         writes_not_admitted=cstats["writes_not_admitted"],
         dropped_writes=cstats["dropped_writes"],
-        verify_failures=r.verify_failures, seconds=time.perf_counter() - start,
+        verify_failures=r.verify_failures, seconds=seconds,
     )

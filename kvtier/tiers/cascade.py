@@ -28,27 +28,26 @@ thread returns (the bytes of a slot still being written are never handed out).
 
 **Writes.** Stores land in the CPU tier; each lower tier has a write policy and
 an admission threshold. A block is *used* by a request that hits it or offers
-it for storing; each request counts once per block (a bounded
-:class:`~kvtier.admission.AdmissionTracker`, ``max_tracker_size`` blocks, only
-kept when some threshold is above 1). A tier with threshold ``t`` receives a
-block only once ``t`` requests used it (``t = 2``: no SSD write for one-off
-prompts). A ``"store"`` tier is written through: on ``complete_store`` (blocks
-already admitted), when a resident block reaches ``t`` uses, and when a block
-promoted from another tier completes; the job's keys are pinned with
-``manager.pin_internal`` (not a request access, recency is unchanged) until
-``poll`` sees it done. Writes of a request's stores are submitted before
-``complete_store`` returns, so always before the request's finish. An
-``"evict"`` tier receives admitted blocks as the CPU tier evicts them: the
-manager's eviction listener copies each victim's slot (on the scheduler
-thread, before the slot is handed out again) into a job owning the copy,
-queued at the step's end after the step's promotions (a write that makes a
-tier evict must not remove a block about to be read; with several I/O
-threads this is likely, not certain, and a lost race is a failed promotion,
-i.e. a miss). Either way the job asks each tier which keys it holds already
-and ``put``s only the others (no duplicate writes); each tier applies its own
-capacity and eviction (``DiskTier``: LRU within ``capacity_bytes``; Redis:
-TTL and the server's ``maxmemory-policy``). ``writes_not_admitted`` counts
-refusals (a block refused at store and again at eviction counts twice).
+it for storing; each request counts once per block (:class:`BlockUses`,
+``max_tracker_size`` blocks, only kept when some threshold is above 1). A tier
+with threshold ``t`` receives a block only once ``t`` requests used it (``t =
+2``: no SSD write for one-off prompts). A ``"store"`` tier is written through:
+on ``complete_store`` (blocks already admitted), when a resident block reaches
+``t`` uses, and when a block promoted from another tier completes; the job's
+keys are pinned with ``manager.pin_internal`` (not a request access, recency is
+unchanged) until ``poll`` sees it done. Writes of a request's stores are
+submitted before ``complete_store`` returns, so always before the request's
+finish. An ``"evict"`` tier receives admitted blocks as the CPU tier evicts
+them: the manager's eviction listener copies each victim's slot (on the
+scheduler thread, before the slot is handed out again) into a job owning the
+copy, queued at the step's end after the step's promotions (a write that makes
+a tier evict must not remove a block about to be read; with several I/O threads
+this is likely, not certain, and a lost race is a failed promotion, i.e. a
+miss). Either way the job asks each tier which keys it holds already and
+``put``s only the others (no duplicate writes); each tier applies its own
+capacity and eviction (``DiskTier``: LRU within ``capacity_bytes``; Redis: TTL
+and the server's ``maxmemory-policy``). ``writes_not_admitted`` counts refusals
+(a block refused at store and again at eviction counts twice).
 
 Both I/O queues are bounded (``max_queue`` jobs each) and the threads take
 promotions and probes first: under backpressure stores are dropped
@@ -65,7 +64,6 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from kvtier.admission import AdmissionTracker
 from kvtier.events import Event
 from kvtier.manager import OffloadManager
 from kvtier.request import RequestContext
@@ -78,6 +76,7 @@ from kvtier.tiers.probes import (
     DEFAULT_PROBE_TTL_S,
     ExistenceProbes,
 )
+from kvtier.tiers.uses import BlockUses
 
 logger = logging.getLogger(__name__)
 
@@ -149,26 +148,14 @@ class TierCascade:
         promotion_timeout_s: float = 30.0,
         own_tiers: bool = True,
     ) -> None:
-        tiers = list(tiers)
-        policies = _per_tier("write_policy", write_policy, len(tiers))
-        thresholds = _per_tier("store_threshold", store_threshold, len(tiers))
-        if any(p not in WRITE_POLICIES for p in policies):
-            raise ValueError(f"write_policy must be 'store' or 'evict' (per tier), "
-                             f"got {write_policy!r}")
-        for t in thresholds:
-            _check_int("store_threshold", t)
         for name, value in (("io_threads", io_threads), ("max_queue", max_queue),
                             ("max_failed", max_failed), ("max_tracker_size", max_tracker_size)):
             _check_int(name, value)
         self.manager = manager
-        self.tiers = tiers
-        self.lower = [
-            LowerTier(tier, policy, threshold,
-                      ExistenceProbes(probe_ttl_s, probe_timeout_s, max_probes)
-                      if async_lookups and tier.remote else None)
-            for tier, policy, threshold in zip(tiers, policies, thresholds, strict=True)
-        ]
-        self.write_policies: list[WritePolicy] = list(policies)
+        self.tiers = list(tiers)
+        probes = (probe_ttl_s, probe_timeout_s, max_probes) if async_lookups else None
+        self.lower = lower_tiers(self.tiers, write_policy, store_threshold, probes)
+        self.write_policies: list[WritePolicy] = [low.write for low in self.lower]
         self.failure_ttl_s = float(failure_ttl_s)
         self.max_failed = max_failed
         self.promotion_timeout_s = float(promotion_timeout_s)
@@ -180,11 +167,10 @@ class TierCascade:
         self._pool.region = self._region
 
         # Scheduler-thread state.
-        top = max(thresholds, default=1)
-        self._uses = AdmissionTracker(top, max_tracker_size) if top > 1 else None
+        self._uses = BlockUses([low.threshold for low in self.lower], max_tracker_size,
+                               watched=[low.threshold for low in self.lower
+                                        if low.write == "store"])
         self._due: dict[bytes, None] = {}  # resident keys to offer the store tiers again
-        self._due_at = {low.threshold for low in self.lower
-                        if low.write == "store" and low.threshold > 1}
         self._evicted: list[WriteJob] = []  # this step's write-on-evict jobs
         self._batching: dict[tuple[int, ...], PromotionJob] = {}  # this step's promotions
         self._inflight: dict[bytes, PromotionJob] = {}
@@ -216,13 +202,11 @@ class TierCascade:
         if job is not None:
             if time.monotonic() - job.started > self.promotion_timeout_s:
                 return LookupResult.MISS
-            if self._uses is not None:
-                self._note_uses([key], ctx)
+            self._note_uses([key], ctx)
             return LookupResult.HIT_PENDING
         result = self.manager.lookup_one(key, ctx)
         if result is LookupResult.HIT:
-            if self._uses is not None:
-                self._note_uses([key], ctx)
+            self._note_uses([key], ctx)
             return result
         if result is not LookupResult.MISS or not self.lower or key in self.manager._slot:
             return result  # resident but refused (lease budget): not a tier's business
@@ -288,8 +272,7 @@ class TierCascade:
         job.slots.append(slots[0])
         self._inflight[key] = job
         self.counters["promotions"] += 1
-        if self._uses is not None:
-            self._note_uses([key], ctx)
+        self._note_uses([key], ctx)
         return LookupResult.HIT_PENDING
 
     # ------------------------------------------------------------ the step
@@ -394,28 +377,15 @@ class TierCascade:
 
     # ------------------------------------------------------------ admission
     def _note_uses(self, keys: list[bytes], ctx: RequestContext) -> None:
-        """Count one use per request of ``keys``; a resident key reaching a
-        store tier's threshold becomes due for writing (a key still being
-        promoted becomes due when its promotion completes)."""
-        uses = self._uses
-        if uses is None:
+        """Count a use of ``keys`` by ``ctx``; a resident key reaching a store
+        tier's threshold becomes due for writing (a key still being promoted
+        becomes due when its promotion completes)."""
+        if not self._uses.counting:
             return
-        counted = ctx.tier_counted
-        new = [k for k in dict.fromkeys(keys) if k not in counted]
-        if not new:
-            return
-        uses.record(new, counted)
         ready = self.manager._is_ready
-        for key in new:
-            n = uses.count(key)
-            if n in self._due_at and ready(key):
+        for key in self._uses.record(keys, ctx):
+            if ready(key):
                 self._due[key] = None
-
-    def _admitted(self, low: LowerTier, keys: list[bytes]) -> list[bytes]:
-        if low.threshold <= 1 or self._uses is None:
-            return keys
-        count, t = self._uses.count, low.threshold
-        return [k for k in keys if count(k) >= t]
 
     # ------------------------------------------------------------ stores
     def prepare_store(
@@ -423,8 +393,7 @@ class TierCascade:
     ) -> PrepareStoreOutput | None:
         """``manager.prepare_store``, counting the offer as a use of each key."""
         keys = list(keys)
-        if self._uses is not None:
-            self._note_uses(keys, ctx)
+        self._note_uses(keys, ctx)
         return self.manager.prepare_store(keys, ctx)
 
     def complete_store(
@@ -458,7 +427,7 @@ class TierCascade:
         for low in self.lower:
             if low.write != "store":
                 continue
-            admitted = self._admitted(low, keys)
+            admitted = self._uses.admitted(low.threshold, keys)
             if count_refusals:
                 self.counters["writes_not_admitted"] += len(keys) - len(admitted)
             if admitted:
@@ -476,7 +445,7 @@ class TierCascade:
         for low in self.lower:
             if low.write != "evict":
                 continue
-            admitted = set(self._admitted(low, keys))
+            admitted = set(self._uses.admitted(low.threshold, keys))
             self.counters["writes_not_admitted"] += len(keys) - len(admitted)
             picked = [(k, s) for k, s in zip(keys, slots, strict=True) if k in admitted]
             if not picked:
@@ -545,8 +514,7 @@ class TierCascade:
         self.manager.reset()
         self._failed.clear()
         self._sources.clear()
-        if self._uses is not None:
-            self._uses.clear()
+        self._uses.clear()
         for low in self.lower:
             if low.probes is not None:
                 low.probes.clear()
@@ -591,6 +559,28 @@ class TierCascade:
                     tier.close()
                 except Exception as exc:
                     logger.warning("kvtier cascade: closing %s: %s", tier.name, exc)
+
+
+def lower_tiers(
+    tiers: list[Tier],
+    write_policy: WritePolicy | Sequence[WritePolicy],
+    store_threshold: int | Sequence[int],
+    probes: tuple[float, float, int] | None,
+) -> list[LowerTier]:
+    """Each tier with its checked settings; ``probes`` (ttl, timeout, max keys)
+    gives remote tiers asynchronous existence probes (None: synchronous)."""
+    policies = _per_tier("write_policy", write_policy, len(tiers))
+    thresholds = _per_tier("store_threshold", store_threshold, len(tiers))
+    if any(p not in WRITE_POLICIES for p in policies):
+        raise ValueError(f"write_policy must be 'store' or 'evict' (per tier), "
+                         f"got {write_policy!r}")
+    for t in thresholds:
+        _check_int("store_threshold", t)
+    return [
+        LowerTier(tier, policy, threshold,
+                  ExistenceProbes(*probes) if probes is not None and tier.remote else None)
+        for tier, policy, threshold in zip(tiers, policies, thresholds, strict=True)
+    ]
 
 
 def _per_tier(name: str, value: object, n: int) -> list:
