@@ -86,6 +86,23 @@ def test_second_engine_is_served_from_the_redis_tier(tmp_path: Path) -> None:
     assert third["cascade"]["probes"] == 0  # asked on the scheduler thread
 
 
+def test_engine_serves_with_redis_unreachable(tmp_path: Path) -> None:
+    """Nothing listens at redis_url: the engine starts, answers identically to
+    an engine without tiers, and the CPU tier keeps working (no crash, no hang)."""
+    from kvtier.tiers.redis_server import free_port
+
+    model = build_tiny_llama(tmp_path / "tiny-llama")
+    dead = f"redis://127.0.0.1:{free_port()}/0"
+    run = run_engine(model, None, dead, rounds=2)
+    reference = run_engine(model, None, None, extra={"disk_path": str(tmp_path / "d"),
+                                                     "disk_bytes": 64 << 20})
+    assert run["tokens"] == reference["tokens"]
+    assert run["cached"] >= OFFLOADED_TOKENS  # round 2 from the CPU tier
+    assert run["cascade"]["promotions"] == 0
+    assert run["cascade"]["cascade_writes"] == 0
+    assert run["disk"]["errors"] >= 1  # the Redis tier's stats: it tried and failed
+
+
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="TP=2 needs 2 CPUs")
 def test_tensor_parallel_engine_is_served_from_the_disk_tier(tmp_path: Path) -> None:
     """Two CPU workers (TP=2): each rank's shard goes to disk under its own
