@@ -86,6 +86,26 @@ def test_second_engine_is_served_from_the_redis_tier(tmp_path: Path) -> None:
     assert third["cascade"]["probes"] == 0  # asked on the scheduler thread
 
 
+def test_engine_serves_while_redis_is_stuck(tmp_path: Path) -> None:
+    """The server holding the blocks stops answering (SIGSTOP): a new engine
+    neither hangs nor fails; it computes the prompt and answers identically."""
+    from kvtier.tiers.redis_server import RedisServer, find_server_binary
+
+    if find_server_binary() is None:
+        pytest.skip("no redis-server binary")
+    pytest.importorskip("redis")
+    model = build_tiny_llama(tmp_path / "tiny-llama")
+    with RedisServer() as server:
+        first = run_engine(model, None, server.url)
+        server.pause()
+        try:
+            stuck = run_engine(model, None, server.url)  # subprocess timeout: 300 s
+        finally:
+            server.resume()
+    assert stuck["tokens"] == first["tokens"]
+    assert stuck["cached"] == 0 and stuck["cascade"]["promotions"] == 0
+
+
 def test_engine_serves_with_redis_unreachable(tmp_path: Path) -> None:
     """Nothing listens at redis_url: the engine starts, answers identically to
     an engine without tiers, and the CPU tier keeps working (no crash, no hang)."""

@@ -17,7 +17,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 DEFAULT_PROBE_TTL_S = 2.0
-DEFAULT_PROBE_TIMEOUT_S = 5.0
+DEFAULT_PROBE_TIMEOUT_S = 1.0
+"""A healthy server answers in milliseconds; past this a request stops waiting
+(a stuck server costs a new request at most this long, not its socket timeout)."""
 DEFAULT_MAX_PROBES = 65_536
 
 
