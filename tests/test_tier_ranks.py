@@ -146,3 +146,19 @@ def test_rank_regions_must_share_a_geometry(tmp_path: Path) -> None:
             SlotRegion.create("g2", SLOTS + 1, SIZE, shm_dir=tmp_path) as b, \
             pytest.raises(ValueError, match="geometry"):
         RankRegions([a, b])
+
+
+def test_a_block_one_rank_cannot_store_leaves_no_orphan_shard(
+    tmp_path: Path, regions: RankRegions
+) -> None:
+    layout = [KVLayout("m", "bfloat16", 16, 2, 2, 64, tp_rank=r, tp_size=RANKS).namespace()
+              for r in range(RANKS)]
+    roomy = DiskTier(tmp_path / "disk", layout[0], 16 << 20, free_reserve_bytes=0)
+    full = DiskTier(tmp_path / "disk", layout[1], 4096, free_reserve_bytes=0)  # < one block
+    tier = RankedTier([roomy, full])
+    try:
+        assert tier.put([(block_key(0), regions.slot_array(0))]) == [False]
+        assert roomy.contains([block_key(0)]) == [False]  # rank 0's shard removed again
+        assert tier.contains([block_key(0)]) == [False]
+    finally:
+        tier.close()

@@ -121,12 +121,17 @@ class RankedTier(Tier):
         return out
 
     def put(self, items: Sequence[tuple[bytes, Any]]) -> list[bool]:
+        """Store every rank's shard; a block some rank dropped is removed from
+        the ranks that stored it (no orphan shards taking room)."""
         keys = [k for k, _ in items]
-        ok = [True] * len(items)
-        for rank, tier in enumerate(self.ranks):
-            parts = self._parts([p for _, p in items], rank)
-            for i, stored in enumerate(tier.put(list(zip(keys, parts, strict=True)))):
-                ok[i] = ok[i] and stored
+        stored_by = [tier.put(list(zip(keys, self._parts([p for _, p in items], rank),
+                                       strict=True)))
+                     for rank, tier in enumerate(self.ranks)]
+        ok = [all(column) for column in zip(*stored_by, strict=True)]
+        for tier, stored in zip(self.ranks, stored_by, strict=True):
+            orphans = [k for k, s, whole in zip(keys, stored, ok, strict=True) if s and not whole]
+            if orphans:
+                tier.delete(orphans)
         return ok
 
     def delete(self, keys: Sequence[bytes]) -> int:
