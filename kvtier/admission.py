@@ -45,21 +45,23 @@ class AdmissionTracker:
         """Count ``candidates`` (distinct new keys of one offer); return (admitted, skipped).
 
         ``counted`` is the request's set of keys already counted; it is updated.
-        ``admitted`` keeps the order of ``candidates``.
+        ``admitted`` keeps the order of ``candidates``. The tracker is probed
+        once per key; only an offer mixing tracked and new keys is scanned twice.
         """
         counts = self._counts
         tracked = [k for k in candidates if k in counts]
-        fresh = [k for k in candidates if k not in counts] if len(tracked) < len(candidates) else []
-        admitted: list[bytes] = []
-        skipped: list[bytes] = []
+        if len(tracked) == len(candidates):
+            return self._count_tracked(tracked, counted)
         if tracked:
+            fresh = [k for k in candidates if k not in counts]
             admitted, skipped = self._count_tracked(tracked, counted)
-        if fresh:
-            self._track_fresh(fresh, counted, protected=len(tracked))
-            if self.threshold <= 1:  # only reachable when the class is used directly
-                admitted = [k for k in candidates if k in counts]
-            else:
-                skipped.extend(fresh)
+            skipped += fresh
+        else:
+            fresh = list(candidates)
+            admitted, skipped = [], fresh
+        self._track_fresh(fresh, counted, protected=len(tracked))
+        if self.threshold <= 1:  # only reachable when the class is used directly
+            return [k for k in candidates if k in counts], []
         return admitted, skipped
 
     def _count_tracked(
@@ -68,13 +70,18 @@ class AdmissionTracker:
         """Refresh and count (once per request) keys already tracked."""
         counts = self._counts
         move = counts.move_to_end
-        for key in tracked:
-            move(key)
-        to_count = [k for k in tracked if k not in counted] if counted else tracked
-        if to_count:
-            counted.update(to_count)
+        if counted:
+            for key in tracked:
+                move(key)
+            to_count = [k for k in tracked if k not in counted]
             for key in to_count:
                 counts[key] += 1
+        else:  # the request's first offer: every key counts
+            to_count = tracked
+            for key in tracked:
+                move(key)
+                counts[key] += 1
+        counted.update(to_count)
         threshold = self.threshold
         admitted = [k for k in tracked if counts[k] >= threshold]
         if len(admitted) == len(tracked):
@@ -93,7 +100,8 @@ class AdmissionTracker:
             drop = min(overflow, len(counts) - protected)
             for _ in range(drop):
                 counts.popitem(last=False)
-            fresh = fresh[: len(fresh) - (overflow - drop)]
+            if drop < overflow:  # no room left for the last keys: they stay untracked
+                fresh = fresh[: len(fresh) - (overflow - drop)]
         for key in fresh:
             counts[key] = 1
         counted.update(fresh)

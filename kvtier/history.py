@@ -11,9 +11,12 @@ class EvictionHistory:
     """Key -> monotonic time of its last eviction, for recently evicted keys.
 
     Owns a dict in eviction order, never longer than ``max_size`` (0 disables
-    it): when full it is cut back to the newest three quarters in one pass, so
-    it remembers between 3/4 and all of the last ``max_size`` evicted keys at
-    an amortised constant cost. One clock read per eviction batch.
+    it): when full its oldest entries are deleted in place down to the newest
+    three quarters, so it remembers between 3/4 and all of the last
+    ``max_size`` evicted keys at an amortised constant cost. Deleted entries
+    leave holes in the dict's storage until its next resize compacts them, so
+    the storage stays proportional to ``max_size``. One clock read per
+    eviction batch.
     """
 
     __slots__ = ("max_size", "_when")
@@ -34,13 +37,18 @@ class EvictionHistory:
         now = time.monotonic()
         when = self._when
         keys = list(keys)
-        for key in [k for k in keys if k in when]:  # re-evicted keys move to the end
+        for key in when.keys() & keys:  # re-evicted keys move to the end
             del when[key]
         for key in keys:
             when[key] = now
         if len(when) > self.max_size:
-            keep = self.max_size * 3 // 4
-            self._when = dict(itertools.islice(when.items(), len(when) - keep, None))
+            self._forget_oldest(len(when) - self.max_size * 3 // 4)
+
+    def _forget_oldest(self, n: int) -> None:
+        """Delete the ``n`` oldest evictions (cheaper than copying the rest)."""
+        when = self._when
+        for key in list(itertools.islice(when, n)):
+            del when[key]
 
     def evicted_at(self, key: bytes) -> float | None:
         """Monotonic time of ``key``'s last remembered eviction, or None."""

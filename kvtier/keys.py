@@ -7,6 +7,8 @@ the single definition of that layout.
 
 from __future__ import annotations
 
+from operator import countOf
+
 GROUP_BYTES = 4
 """Width of the big-endian KV-cache group index that ends every key."""
 
@@ -52,7 +54,8 @@ def check_keys(keys: object, what: str = "keys") -> list[bytes]:
 
     A str or bytes passed where a collection of keys is expected is rejected
     rather than iterated element by element. The common case costs one C-level
-    pass; the slow path only runs to name the bad key.
+    pass (counting the keys whose type is ``bytes``); the slow path only runs to
+    name the bad key.
     """
     if type(keys) is list:
         out: list[bytes] = keys.copy()
@@ -62,13 +65,10 @@ def check_keys(keys: object, what: str = "keys") -> list[bytes]:
         )
     else:
         out = list(keys)
-    if out and set(map(type, out)) != _ONLY_BYTES:
+    if countOf(map(type, out), bytes) != len(out):
         bad = next(k for k in out if type(k) is not bytes)
         raise TypeError(
             f"{what}: every key must be bytes (see kvtier.block_key), "
             f"got {type(bad).__name__}: {bad!r:.60}"
         )
     return out
-
-
-_ONLY_BYTES = {bytes}

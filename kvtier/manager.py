@@ -152,7 +152,7 @@ class OffloadManager:
         leased = ctx.leased
         run = keys[:hits]
         new = [k for k in run if k not in leased] if leased else run
-        if len(set(new)) != len(new):
+        if len(new) > 1 and len(set(new)) != len(new):
             new = list(dict.fromkeys(new))
         if not new:
             return hits
@@ -257,7 +257,7 @@ class OffloadManager:
             loading[key] = loading.get(key, 0) + 1
         self._blocked.update(keys)
         if leased:
-            was_leased = [k for k in dict.fromkeys(keys) if k in leased]
+            was_leased = leased.intersection(keys)
             if was_leased:
                 leased.difference_update(was_leased)
                 self._unlease(was_leased)
@@ -281,7 +281,8 @@ class OffloadManager:
         if ctx.stale_loads:
             keys, stale_left = _without_stale(keys, ctx.stale_loads)
         loading = ctx.loading
-        if len(set(keys)) != len(keys) or not loading.keys() >= set(keys):
+        distinct = set(keys)
+        if len(distinct) != len(keys) or not loading.keys() >= distinct:
             self._check_owed_loads(keys, ctx)
         if stale_left is not None:
             ctx.stale_loads = stale_left
@@ -352,15 +353,19 @@ class OffloadManager:
         ctx.log_access(keys)
         candidates = [k for k in keys if k not in slot]
         if len(candidates) < len(keys) and self._wants_reuse:
-            writing, inserted = self._writing, ctx.inserted
-            ctx.reused.update(
-                [k for k in keys if k in slot and k not in writing and k not in inserted]
-            )
-        if len(candidates) > 1:
-            unique = list(dict.fromkeys(candidates))
-            if len(unique) != len(candidates):
-                candidates = unique
+            self._note_reuses(keys, ctx)
+        if len(candidates) > 1 and len(set(candidates)) != len(candidates):
+            candidates = list(dict.fromkeys(candidates))
         return candidates
+
+    def _note_reuses(self, keys: list[bytes], ctx: RequestContext) -> None:
+        """Add the ready keys of ``keys`` that ``ctx`` did not store itself to its reuses."""
+        ready = self._slot.keys() & keys  # a set, built at C speed
+        if self._writing:
+            ready = ready - self._writing  # linear in len(ready), however many are writing
+        if ctx.inserted:
+            ready = ready - ctx.inserted
+        ctx.reused |= ready
 
     def _admit(self, candidates: list[bytes], ctx: RequestContext) -> list[bytes]:
         if self._tracker is None:
@@ -368,7 +373,7 @@ class OffloadManager:
         admitted, skipped = self._tracker.record(candidates, ctx.counted)
         if skipped:
             seen = ctx.skipped
-            new_skips = [k for k in skipped if k not in seen]
+            new_skips = [k for k in skipped if k not in seen] if seen else skipped
             seen.update(new_skips)
             self.stores_skipped += len(new_skips)
         return admitted

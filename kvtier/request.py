@@ -111,7 +111,10 @@ class RequestContext:
 
     def access_order(self, resident: Container[bytes]) -> list[bytes]:
         """Accessed keys still in ``resident``, head first (by position when all are known)."""
-        keys = [k for k in self.accessed_keys() if k in resident]
+        log = self.access_log
+        logged = log[0] if len(log) == 1 else itertools.chain.from_iterable(log)
+        # Filtering before deduplicating keeps first-seen order and dedups fewer keys.
+        keys = list(dict.fromkeys([k for k in logged if k in resident]))
         positions = self.positions
         if positions and positions.keys() >= set(keys):
             keys.sort(key=positions.__getitem__)

@@ -163,6 +163,17 @@ def test_history_is_bounded() -> None:
     assert got[1][1] is not None
 
 
+def test_history_cut_keeps_the_newest_three_quarters_in_eviction_order() -> None:
+    history = EvictionHistory(8)
+    ks = keys(range(12))
+    history.record(ks[:9])  # 9 > 8: cut back to the newest 6
+    assert [k for k in ks if history.evicted_at(k) is not None] == ks[3:9]
+    history.record([ks[3]])  # evicted again: now the newest
+    history.record(ks[9:12])  # 9 > 8 again: ks[4:7] are the oldest three
+    remembered = {k for k in ks if history.evicted_at(k) is not None}
+    assert remembered == {ks[3], *ks[7:12]} and len(history) == 6
+
+
 def test_history_disabled_with_size_zero() -> None:
     mgr = OffloadManager(1, eviction_history_size=0)
     fill(mgr, keys([1]))
