@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -62,20 +63,28 @@ def test_second_engine_is_served_from_the_disk_tier(tmp_path: Path) -> None:
     assert second["cascade"]["cascade_writes"] == 0  # the disk held every block already
 
 
-def test_second_engine_is_served_from_the_redis_tier(tmp_path: Path) -> None:
+@pytest.fixture
+def redis_server() -> Iterator[Any]:
+    """A fresh local redis-server (skipped where none is installed: ``make test``
+    installs one)."""
     from kvtier.tiers.redis_server import RedisServer, find_server_binary
 
     if find_server_binary() is None:
         pytest.skip("no redis-server binary")
     pytest.importorskip("redis")
-    model = build_tiny_llama(tmp_path / "tiny-llama")
     with RedisServer() as server:
-        first = run_engine(model, None, server.url)
-        assert first["cached"] == 0
-        assert first["cascade"]["cascade_writes"] >= OFFLOADED_TOKENS // 32
-        assert first["cascade"]["dropped_writes"] == 0
-        second = run_engine(model, None, server.url)
-        third = run_engine(model, None, server.url, extra={"redis_async_lookups": False})
+        yield server
+
+
+def test_second_engine_is_served_from_the_redis_tier(tmp_path: Path, redis_server: Any) -> None:
+    server = redis_server
+    model = build_tiny_llama(tmp_path / "tiny-llama")
+    first = run_engine(model, None, server.url)
+    assert first["cached"] == 0
+    assert first["cascade"]["cascade_writes"] >= OFFLOADED_TOKENS // 32
+    assert first["cascade"]["dropped_writes"] == 0
+    second = run_engine(model, None, server.url)
+    third = run_engine(model, None, server.url, extra={"redis_async_lookups": False})
     assert second["cached"] >= OFFLOADED_TOKENS
     assert second["cascade"]["probes"] >= OFFLOADED_TOKENS // 32  # asked in batches
     assert second["cascade"]["promotions"] >= OFFLOADED_TOKENS // 32
@@ -86,22 +95,17 @@ def test_second_engine_is_served_from_the_redis_tier(tmp_path: Path) -> None:
     assert third["cascade"]["probes"] == 0  # asked on the scheduler thread
 
 
-def test_engine_serves_while_redis_is_stuck(tmp_path: Path) -> None:
+def test_engine_serves_while_redis_is_stuck(tmp_path: Path, redis_server: Any) -> None:
     """The server holding the blocks stops answering (SIGSTOP): a new engine
     neither hangs nor fails; it computes the prompt and answers identically."""
-    from kvtier.tiers.redis_server import RedisServer, find_server_binary
-
-    if find_server_binary() is None:
-        pytest.skip("no redis-server binary")
-    pytest.importorskip("redis")
+    server = redis_server
     model = build_tiny_llama(tmp_path / "tiny-llama")
-    with RedisServer() as server:
-        first = run_engine(model, None, server.url)
-        server.pause()
-        try:
-            stuck = run_engine(model, None, server.url)  # subprocess timeout: 300 s
-        finally:
-            server.resume()
+    first = run_engine(model, None, server.url)
+    server.pause()
+    try:
+        stuck = run_engine(model, None, server.url)  # subprocess timeout: 300 s
+    finally:
+        server.resume()
     assert stuck["tokens"] == first["tokens"]
     assert stuck["cached"] == 0 and stuck["cascade"]["promotions"] == 0
 

@@ -155,7 +155,6 @@ class TierCascade:
         self.tiers = list(tiers)
         probes = (probe_ttl_s, probe_timeout_s, max_probes) if async_lookups else None
         self.lower = lower_tiers(self.tiers, write_policy, store_threshold, probes)
-        self.write_policies: list[WritePolicy] = [low.write for low in self.lower]
         self.failure_ttl_s = float(failure_ttl_s)
         self.max_failed = max_failed
         self.promotion_timeout_s = float(promotion_timeout_s)
