@@ -162,3 +162,17 @@ def test_a_block_one_rank_cannot_store_leaves_no_orphan_shard(
         assert tier.contains([block_key(0)]) == [False]
     finally:
         tier.close()
+
+
+def test_cpu_thread_binding_splits_this_process_cpus() -> None:
+    import os
+
+    from kvtier.demo.engine import cpu_thread_binding
+
+    cpus = sorted(os.sched_getaffinity(0))
+    assert cpu_thread_binding(1) == ",".join(map(str, cpus))
+    for bad in (0, -1, True, "2"):
+        with pytest.raises(ValueError, match="ranks"):
+            cpu_thread_binding(bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="CPUs"):
+        cpu_thread_binding(len(cpus) + 1)

@@ -47,6 +47,8 @@ def cpu_thread_binding(ranks: int) -> str:
     """A ``VLLM_CPU_OMP_THREADS_BIND`` value giving each of ``ranks`` CPU workers
     its own share of this process's CPUs (vLLM's automatic binding wants one
     NUMA node per worker)."""
+    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
+        raise ValueError(f"ranks must be an int >= 1, got {ranks!r}")
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < ranks:
         raise ValueError(f"{ranks} CPU workers need {ranks} CPUs, this process may use {cpus}")
