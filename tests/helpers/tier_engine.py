@@ -10,7 +10,8 @@ num_cached_tokens (of the last round), the cascade's and its first tier's
 stats, and the cascade's stats after each round. ``KVTIER_TEST_TP``: the
 engine's tensor parallel size (default 1). ``KVTIER_TEST_METRICS=1``: keep
 vLLM's stats and add ``metrics``, kvtier's Prometheus samples
-(``name{label=value,...}`` -> value).
+(``name{label=value,...}`` -> value). ``KVTIER_TEST_HF_OVERRIDES``: vLLM's
+``hf_overrides`` as JSON.
 """
 
 from __future__ import annotations
@@ -57,8 +58,9 @@ def main() -> None:
     extra = E.kvtier_config(64 << 20, **tiers)
     tp = int(os.environ.get("KVTIER_TEST_TP", "1"))
     metrics = os.environ.get("KVTIER_TEST_METRICS") == "1"
-    llm = E.start_engine(model, extra,
-                         E.EngineSettings(tensor_parallel_size=tp, log_stats=metrics))
+    overrides = json.loads(os.environ.get("KVTIER_TEST_HF_OVERRIDES", "{}"))
+    llm = E.start_engine(model, extra, E.EngineSettings(
+        tensor_parallel_size=tp, log_stats=metrics, hf_overrides=overrides))
     try:
         core = llm.llm_engine.engine_core.engine_core  # type: ignore[attr-defined]
         adapter = core.scheduler.connector.connector_scheduler.manager

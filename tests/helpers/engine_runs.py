@@ -1,0 +1,35 @@
+"""Run ``tests/helpers/tier_engine.py`` (one vLLM engine with kvtier) in a
+subprocess and return its JSON result; shared by the end-to-end tier tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+HELPER = str(Path(__file__).parent / "tier_engine.py")
+REPO = str(Path(__file__).parent.parent.parent)
+
+
+def run_engine(
+    model: Path, disk: Path | None, redis_url: str | None = None,
+    extra: dict[str, Any] | None = None, rounds: int = 1, tp: int = 1, metrics: bool = False,
+    hf_overrides: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """One engine run on ``model`` with a disk tier at ``disk`` and/or Redis at
+    ``redis_url`` plus the kvtier keys of ``extra`` (see tier_engine.py)."""
+    env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING", "KVTIER_TEST_TP": str(tp),
+           "KVTIER_TEST_METRICS": "1" if metrics else "0",
+           "KVTIER_TEST_HF_OVERRIDES": json.dumps(hf_overrides or {}),
+           "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    args = [sys.executable, HELPER, str(model), "-" if disk is None else str(disk),
+            redis_url or "-", json.dumps(extra or {}), str(rounds)]
+    out = subprocess.run(args, capture_output=True,
+                         text=True, timeout=300, cwd=REPO, env=env, check=False)
+    assert out.returncode == 0, out.stderr[-4000:]
+    line = next(x for x in out.stdout.splitlines() if x.startswith("RESULT "))
+    result: dict[str, Any] = json.loads(line.removeprefix("RESULT "))
+    return result

@@ -1,0 +1,195 @@
+"""Model identity: the weights fingerprint (kvtier.identity) on real files."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvtier.identity import (
+    FILE_WINDOWS,
+    HEAD_TAIL_BYTES,
+    SAMPLE_BYTES,
+    IdentityError,
+    canonical_json,
+    config_digest,
+    weights_digest,
+)
+
+TENSOR_BYTES = 64 << 10
+
+
+def write_safetensors(path: Path, tensors: dict[str, np.ndarray]) -> None:
+    """The safetensors format: 8-byte header length, JSON header, tensor data."""
+    header: dict[str, object] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, array in tensors.items():
+        header[name] = {"dtype": "U8", "shape": list(array.shape),
+                        "data_offsets": [offset, offset + array.nbytes]}
+        offset += array.nbytes
+    raw = json.dumps(header).encode()
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        for array in tensors.values():
+            f.write(array.tobytes())
+
+
+def checkpoint(path: Path, seed: int = 0, layers: int = 8) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    tensors = {f"layer.{i}.weight": rng.integers(0, 255, TENSOR_BYTES, dtype=np.uint8)
+               for i in range(layers)}
+    path.mkdir(parents=True, exist_ok=True)
+    write_safetensors(path / "model.safetensors", tensors)
+    (path / "config.json").write_text('{"model_type": "llama"}')
+    return tensors
+
+
+def test_same_weights_elsewhere_share_an_identity_and_mtime_does_not_count(
+        tmp_path: Path) -> None:
+    checkpoint(tmp_path / "a")
+    checkpoint(tmp_path / "b")
+    os.utime(tmp_path / "b" / "model.safetensors", (1, 1))
+    a, b = weights_digest(tmp_path / "a"), weights_digest(tmp_path / "b")
+    assert a.digest == b.digest
+    assert a.files == 1 and a.bytes == (tmp_path / "a" / "model.safetensors").stat().st_size
+
+
+def test_new_weights_change_the_identity(tmp_path: Path) -> None:
+    checkpoint(tmp_path / "a", seed=0)
+    checkpoint(tmp_path / "b", seed=1)
+    assert weights_digest(tmp_path / "a").digest != weights_digest(tmp_path / "b").digest
+
+
+@pytest.mark.parametrize("layer", [0, 3, 7])
+def test_one_changed_tensor_changes_the_identity(tmp_path: Path, layer: int) -> None:
+    """A fine-tune of one layer: every tensor is sampled, wherever it lies."""
+    tensors = checkpoint(tmp_path / "a")
+    base = weights_digest(tmp_path / "a").digest
+    tensors[f"layer.{layer}.weight"] = np.random.default_rng(9).integers(
+        0, 255, TENSOR_BYTES, dtype=np.uint8)
+    write_safetensors(tmp_path / "a" / "model.safetensors", tensors)
+    assert weights_digest(tmp_path / "a").digest != base
+
+
+def test_a_renamed_tensor_or_added_shard_changes_the_identity(tmp_path: Path) -> None:
+    tensors = checkpoint(tmp_path / "a")
+    base = weights_digest(tmp_path / "a").digest
+    renamed = {k.replace("layer.0", "layer.00"): v for k, v in tensors.items()}
+    write_safetensors(tmp_path / "a" / "model.safetensors", renamed)
+    assert weights_digest(tmp_path / "a").digest != base
+    write_safetensors(tmp_path / "a" / "model.safetensors", tensors)
+    assert weights_digest(tmp_path / "a").digest == base
+    write_safetensors(tmp_path / "a" / "extra.safetensors", {"x": tensors["layer.1.weight"]})
+    assert weights_digest(tmp_path / "a").digest != base
+
+
+def test_other_formats_are_sampled_at_spread_places(tmp_path: Path) -> None:
+    size = 2 * HEAD_TAIL_BYTES + FILE_WINDOWS * SAMPLE_BYTES * 4
+    data = bytearray(np.random.default_rng(0).integers(0, 255, size, dtype=np.uint8).tobytes())
+    (tmp_path / "m").mkdir()
+    weights = tmp_path / "m" / "pytorch_model.bin"
+    weights.write_bytes(data)
+    base = weights_digest(tmp_path / "m").digest
+    step = (size - SAMPLE_BYTES) // FILE_WINDOWS
+    data[step * (FILE_WINDOWS // 2) + 1] ^= 0xFF  # inside a sampled window
+    weights.write_bytes(data)
+    assert weights_digest(tmp_path / "m").digest != base
+
+
+def test_hub_cache_blob_names_are_the_checkpoint_hash(tmp_path: Path) -> None:
+    """A Hugging Face cache snapshot links each file to blobs/<sha256>: the
+    name is used, the file is not read."""
+    blobs = tmp_path / "hub" / "blobs"
+    blobs.mkdir(parents=True)
+    snapshot = tmp_path / "hub" / "snapshots" / "abc"
+    snapshot.mkdir(parents=True)
+    blob = blobs / ("a" * 64)
+    blob.write_bytes(b"\0" * 1000)
+    (snapshot / "model.safetensors").symlink_to(blob)
+    first = weights_digest(snapshot).digest
+    other = blobs / ("b" * 64)
+    os.rename(blob, other)  # same bytes, another content hash
+    (snapshot / "model.safetensors").unlink()
+    (snapshot / "model.safetensors").symlink_to(other)
+    assert weights_digest(snapshot).digest != first
+
+
+def test_a_directory_without_weights_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(IdentityError, match="no weights file"):
+        weights_digest(tmp_path)
+    with pytest.raises(IdentityError, match="not a local model directory"):
+        weights_digest(tmp_path / "missing")
+
+
+def test_truncated_safetensors_header_is_sampled_not_trusted(tmp_path: Path) -> None:
+    (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", 1 << 40) + b"{}")
+    first = weights_digest(tmp_path).digest
+    (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", 1 << 40) + b"[]")
+    assert weights_digest(tmp_path).digest != first
+
+
+def test_config_digest_is_canonical() -> None:
+    a = {"rope": {"theta": 1e4, "type": "default"}, "layers": 2, "skip": {"b", "a"}}
+    b = {"skip": {"a", "b"}, "layers": 2, "rope": {"type": "default", "theta": 1e4}}
+    assert config_digest(a) == config_digest(b)
+    assert config_digest({**a, "rope": {"theta": 5e5, "type": "default"}}) != config_digest(a)
+    assert canonical_json({"b": 1, "a": [1, 2]}) == b'{"a":[1,2],"b":1}'
+
+
+def test_callables_and_objects_enter_the_config_by_name_not_address() -> None:
+    """vLLM allows ``hf_overrides`` to be a function: its address differs per
+    process, its qualified name does not."""
+    from kvtier.vllm.identity import _plain
+
+    def override(config: object) -> object:
+        return config
+
+    first = _plain({"hf_overrides": override, "dtype": np.dtype("float16")})
+    assert first == _plain({"hf_overrides": override, "dtype": np.dtype("float16")})
+    assert first["hf_overrides"].endswith("override") and first["dtype"] == "float16"
+
+
+def _engine_config(model: str, load_format: str = "auto", weights: str = "") -> object:
+    """The parts of a vLLM ``VllmConfig`` the identity reads."""
+    from types import SimpleNamespace
+
+    hf = SimpleNamespace(to_dict=lambda: {"model_type": "llama", "_name_or_path": model})
+    return SimpleNamespace(
+        model_config=SimpleNamespace(model=model, model_weights=weights, revision=None,
+                                     hf_config=hf, dtype="bfloat16"),
+        cache_config=SimpleNamespace(cache_dtype="auto", prefix_caching_hash_algo="sha256"),
+        load_config=SimpleNamespace(load_format=load_format, download_dir=None))
+
+
+@pytest.mark.parametrize(("model", "load_format", "weights", "why"), [
+    ("dir", "dummy", "", "does not read the weights files"),
+    ("dir", "auto", "s3://bucket/m", "streamed from"),
+    ("no-such-org/no-such-model", "auto", "", "neither a directory nor in the local"),
+])
+def test_unidentifiable_weights_are_refused_naming_model_identity(
+        tmp_path: Path, model: str, load_format: str, weights: str, why: str) -> None:
+    from kvtier.vllm.identity import model_identity
+
+    checkpoint(tmp_path / "dir")
+    name = str(tmp_path / "dir") if model == "dir" else model
+    config = _engine_config(name, load_format, weights)
+    with pytest.raises(IdentityError, match=why) as err:
+        model_identity(config)
+    assert "model_identity" in str(err.value)
+    vouched = model_identity(config, vouched="release-7")
+    assert vouched.weights == "vouched:release-7"
+
+
+def test_the_path_does_not_enter_the_identity(tmp_path: Path) -> None:
+    from kvtier.vllm.identity import model_identity
+
+    checkpoint(tmp_path / "a")
+    checkpoint(tmp_path / "b")
+    a = model_identity(_engine_config(str(tmp_path / "a")))
+    assert a == model_identity(_engine_config(str(tmp_path / "b")))
+    assert a != model_identity(_engine_config(str(tmp_path / "a"), load_format="safetensors"))
