@@ -6,10 +6,11 @@
                   [--driver sequential|engine] [--concurrency N] [--max-delay N]
                   [--preempt P] [--seed N] [--disk-blocks N]
                   [--disk-store-threshold K[,K...]] [--disk-write-policy store|evict[,...]]
-                  [--limit-requests M]
+                  [--limit-requests M] [--gpu-blocks N]
     kvtier generate KIND [--seed N] [--requests M] -o OUT.jsonl
     kvtier demo [--conversations N] [--turns N] [--repeats N] [--cpu-bytes B]
                 [--model-dir DIR] [--json]
+    kvtier disk inspect|verify [--repair]|purge PATH, kvtier redis inspect URL  (kvtier.tools)
 
 Errors in the input (unknown policy, missing or malformed trace) are reported
 as ``kvtier: error: ...`` with exit status 2, like argparse's own.
@@ -85,6 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_replay(commands)
     _add_generate(commands)
     _add_demo(commands)
+    from kvtier.tools.commands import add_disk_parser, add_redis_parser  # imports kvtier.cli
+
+    add_disk_parser(commands)
+    add_redis_parser(commands)
     return parser
 
 
@@ -140,6 +145,13 @@ def _add_replay(commands: Any) -> None:
                    "store (default), 'evict' writes them when the CPU tier evicts them")
     p.add_argument("--limit-requests", type=positive_int, default=None, metavar="M",
                    help="replay only the first M requests of the trace")
+    p.add_argument("--gpu-blocks", type=positive_int, default=None, metavar="N",
+                   help="put a model of vLLM's own prefix cache of N engine blocks in front "
+                   "of kvtier and report kvtier's CPU-tier hit ratio (vLLM's "
+                   "external_prefix_cache_hits / _queries), the engine cache's and the "
+                   "combined one; one request at a time, or --concurrency N in flight with "
+                   "--driver engine (loads and stores complete at once); --bounds: OPT over "
+                   "the blocks kvtier is asked about")
     p.set_defaults(func=cmd_replay)
 
 
@@ -298,6 +310,39 @@ class Table:
         return "  ".join([r.policy.ljust(w[0]), *padded])
 
 
+GPU_COLUMNS = ("policy", "capacity", "threshold", "cpu-tier hit", "engine hit", "combined",
+               "stores", "evictions", "us/key")
+
+
+class GpuTable:
+    """``--gpu-blocks`` rows: kvtier's CPU-tier hit ratio behind the engine cache,
+    the engine cache's own and the combined one; widths fixed up front."""
+
+    def __init__(self, policies: Sequence[str], capacities: Sequence[int],
+                 thresholds: Sequence[int], max_count: int) -> None:
+        values = (max(map(len, policies)), len(str(max(capacities))),
+                  len(str(max(thresholds))), 6, 6, 6, len(str(max_count)),
+                  len(str(max_count)), 8)
+        self.widths = [max(len(h), v) for h, v in zip(GPU_COLUMNS, values, strict=True)]
+
+    def header(self) -> str | None:
+        """Column titles."""
+        w = self.widths
+        return "  ".join([GPU_COLUMNS[0].ljust(w[0])] + [
+            h.rjust(x) for h, x in zip(GPU_COLUMNS[1:], w[1:], strict=True)])
+
+    def row(self, r: ReplayResult) -> str:
+        """One result, ratios to 4 decimals."""
+        gpu_ratio = getattr(r, "gpu_hit_ratio", 0.0)
+        combined = getattr(r, "combined_hit_ratio", r.hit_ratio)
+        us = "-" if r.policy in BOUNDS else f"{r.us_per_key:.3f}"
+        cells = (str(r.capacity), str(r.store_threshold), f"{r.hit_ratio:.4f}",
+                 f"{gpu_ratio:.4f}", f"{combined:.4f}", str(r.stores), str(r.evictions), us)
+        w = self.widths
+        return "  ".join([r.policy.ljust(w[0])] + [
+            c.rjust(x) for c, x in zip(cells, w[1:], strict=True)])
+
+
 # -- replay command ------------------------------------------------------------
 
 
@@ -342,13 +387,16 @@ class JsonLines:
         return json.dumps({**r.to_dict(), "trace": self.trace})
 
 
-def _formatter(args: argparse.Namespace, path: Path, keys: list[list[bytes]]) -> Table | JsonLines:
+def _formatter(args: argparse.Namespace, path: Path,
+               keys: list[list[bytes]]) -> Table | GpuTable | JsonLines:
     """JSON lines with ``--json``, else an aligned table."""
     if args.json:
         return JsonLines(path)
     offered = sum(map(len, keys))
     names = [*args.policy, *(BOUNDS if args.bounds else ())]
     capacities = [*args.capacity, *([offered] if "infinite" in names else [])]
+    if args.gpu_blocks is not None:
+        return GpuTable(names, capacities, args.store_threshold, offered)
     return Table(names, capacities, args.store_threshold, offered)
 
 
@@ -365,6 +413,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
     if args.limit_requests is not None:
         keys = keys[: args.limit_requests]
     policies = [p for p in args.policy if p not in BOUNDS]
+    if args.gpu_blocks is not None:
+        _check_gpu_blocks(args, keys)
     if args.disk_blocks is not None:
         return _cmd_replay_tiered(args, path, keys, policies)
     bounds = [b for b in BOUNDS if b in args.policy or args.bounds]
@@ -382,8 +432,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
             progress.write(out.row(results[-1]))
         if bounds:
             progress.describe("bounds")
-            rows = bound_results(keys, args.capacity, opt="opt" in bounds,
-                                 infinite="infinite" in bounds, block_bytes=args.block_bytes)
+            rows = _bound_rows(args, keys, bounds)
             progress.update(len(keys))
             for row in rows:
                 results.append(row)
@@ -449,6 +498,41 @@ def _cmd_replay_tiered(args: argparse.Namespace, path: Path, keys: list[list[byt
     return 0
 
 
+def _bound_rows(args: argparse.Namespace, keys: list[list[bytes]],
+                bounds: list[str]) -> list[ReplayResult]:
+    """The bound rows: over the trace, or with ``--gpu-blocks`` over the blocks
+    kvtier is asked about behind the engine cache."""
+    opt, infinite = "opt" in bounds, "infinite" in bounds
+    if args.gpu_blocks is None:
+        return bound_results(keys, args.capacity, opt=opt, infinite=infinite,
+                             block_bytes=args.block_bytes)
+    from kvtier.replay.behind_engine import behind_engine_bounds
+
+    return list(behind_engine_bounds(keys, args.capacity, gpu_blocks=args.gpu_blocks,
+                                     concurrency=_gpu_concurrency(args), opt=opt,
+                                     infinite=infinite, block_bytes=args.block_bytes))
+
+
+def _gpu_concurrency(args: argparse.Namespace) -> int:
+    """Requests in flight behind the engine cache: ``--concurrency`` with ``--driver engine``."""
+    return int(args.concurrency) if args.driver == "engine" else 1
+
+
+def _check_gpu_blocks(args: argparse.Namespace, keys: list[list[bytes]]) -> None:
+    """``CommandError`` for options ``--gpu-blocks`` cannot run with, or a request
+    longer than the engine cache."""
+    from kvtier.replay.behind_engine import check_fits
+
+    if args.disk_blocks is not None:
+        raise CommandError("--gpu-blocks cannot be combined with --disk-blocks")
+    if args.preempt:
+        raise CommandError("--gpu-blocks does not model preemption (no --preempt)")
+    try:
+        check_fits(keys, args.gpu_blocks)
+    except ValueError as exc:
+        raise CommandError(f"--gpu-blocks {args.gpu_blocks}: {exc}") from None
+
+
 def _check_engine_options(args: argparse.Namespace) -> None:
     """``CommandError`` for engine options out of range."""
     if args.max_delay < 0:
@@ -471,6 +555,15 @@ def _run_one(args: argparse.Namespace, keys: list[list[bytes]], policy: str,
              capacity: int, threshold: int, progress: Progress) -> ReplayResult:
     """One replay; bad manager parameters become ``CommandError`` (protocol bugs do not)."""
     try:
+        if args.gpu_blocks is not None:
+            from kvtier.replay.behind_engine import replay_behind_engine
+
+            return replay_behind_engine(keys, capacity, policy, gpu_blocks=args.gpu_blocks,
+                                        concurrency=_gpu_concurrency(args),
+                                        store_threshold=threshold,
+                                        max_tracker_size=args.max_tracker_size,
+                                        block_bytes=args.block_bytes,
+                                        progress=progress.update)
         if args.driver == "engine":
             config = EngineConfig(concurrency=args.concurrency, max_delay=args.max_delay,
                                   preempt=args.preempt, seed=args.seed)

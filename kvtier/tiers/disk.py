@@ -40,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import itertools
+import json
 import logging
 import os
 import re
@@ -47,7 +48,7 @@ import stat
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import xxhash
@@ -71,6 +72,9 @@ from kvtier.tiers.namespace import check_namespace
 logger = logging.getLogger(__name__)
 
 LAYOUT_DIR = "kvtier-v1"
+MANIFEST_NAME = "namespace.json"
+"""A namespace's manifest: what the engine that created it said about itself
+(model name, KV dtype, rank: for operators; never a salt), written once."""
 BLOCK_SUFFIX = ".kvb"
 TMP_SUFFIX = ".tmp"
 FAN_OUT = 256
@@ -80,6 +84,8 @@ MAX_DISK_KEY_BYTES = 120
 """Longest key the disk tier stores (file names are the key in hex)."""
 DEFAULT_RESERVE_FRACTION = 0.05
 DEFAULT_RESERVE_CAP = 1 << 30
+TMP_MAX_AGE_S = 600.0
+"""Default age after which a temp file is stale even if its writer's pid seems alive."""
 _TMP_NAME = re.compile(r"\.(\d+)\.\d+\.tmp$")
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 _O_READ = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
@@ -125,6 +131,28 @@ def _write_full(fd: int, buffers: list[memoryview]) -> None:
             buffers[0] = buffers[0][n:]
 
 
+def fan_out_index(key: bytes) -> int:
+    """Index of the subdirectory (named ``f"{index:02x}"``) holding ``key``'s file."""
+    return xxhash.xxh3_64_intdigest(key) & (FAN_OUT - 1)
+
+
+def is_temp_name(name: str) -> bool:
+    """Whether ``name`` is a disk tier temp file's (``.<...>.tmp``, a write in progress)."""
+    return name.startswith(".") and name.endswith(TMP_SUFFIX)
+
+
+def stale_temp(name: str, age_s: float, max_age_s: float, me: int | None = None) -> bool:
+    """Whether a temp file is left over: older than ``max_age_s``, or written by a
+    pid (from its name) other than ``me`` that no longer runs."""
+    if age_s > max_age_s:
+        return True
+    match = _TMP_NAME.search(name)
+    if match is None:
+        return False
+    pid = int(match.group(1))
+    return pid != me and not pid_alive(pid)
+
+
 def _unlink_quietly(path: str) -> bool:
     try:
         os.unlink(path)
@@ -156,6 +184,8 @@ class DiskTier(Tier):
         touch_on_hit: refresh a file's mtime on each hit (shared recency).
         free_space: ``f(directory) -> free bytes``; default ``statvfs``. For
             quota-managed storage, and tests (a fake-full check).
+        manifest: JSON-ready facts for ``MANIFEST_NAME`` (``kvtier disk
+            inspect`` shows its ``model``); written when the namespace has none.
     """
 
     name = "disk"
@@ -170,11 +200,12 @@ class DiskTier(Tier):
         free_reserve_bytes: int | None = None,
         fsync: bool = False,
         rescan_interval_s: float | None = 30.0,
-        tmp_max_age_s: float = 600.0,
+        tmp_max_age_s: float = TMP_MAX_AGE_S,
         touch_on_hit: bool = True,
         enable_events: bool = False,
         max_events: int = 10_000,
         free_space: Callable[[str], int] | None = None,
+        manifest: Mapping[str, object] | None = None,
     ) -> None:
         try:
             self.namespace = check_namespace(namespace)
@@ -201,6 +232,8 @@ class DiskTier(Tier):
         self.root = self.path / LAYOUT_DIR / self.namespace
         self._subdirs = [str(self.root / f"{i:02x}") for i in range(FAN_OUT)]
         self._make_dirs()
+        if manifest is not None:
+            self._write_manifest(manifest)
         if free_reserve_bytes is None:
             st = os.statvfs(self.root)
             free_reserve_bytes = min(
@@ -247,6 +280,25 @@ class DiskTier(Tier):
         except OSError as exc:
             raise TierConfigError(f"disk_path {self.path}: cannot use it: {exc}") from None
 
+    def _write_manifest(self, manifest: Mapping[str, object]) -> None:
+        """Write the namespace's manifest unless one exists (temp file, rename;
+        0600). Best effort: a manifest is for operators, never needed to serve."""
+        final = self.root / MANIFEST_NAME
+        if final.exists():
+            return
+        tmp = self.root / f".{MANIFEST_NAME}.{os.getpid()}.0{TMP_SUFFIX}"
+        try:
+            fd = os.open(tmp, _O_WRITE, 0o600)
+            try:
+                _write_full(fd, [memoryview(json.dumps(dict(manifest), sort_keys=True,
+                                                       default=str).encode())])
+            finally:
+                os.close(fd)
+            os.replace(tmp, final)
+        except OSError as exc:
+            _unlink_quietly(str(tmp))
+            logger.warning("kvtier disk tier: cannot write %s: %s", final, exc)
+
     def _remake_dirs(self) -> None:
         """Recreate removed directories while serving (errors as ``OSError``)."""
         try:
@@ -273,7 +325,7 @@ class DiskTier(Tier):
             os.chmod(directory, 0o700)
 
     def _subdir(self, key: bytes) -> str:
-        return self._subdirs[xxhash.xxh3_64_intdigest(key) & (FAN_OUT - 1)]
+        return self._subdirs[fan_out_index(key)]
 
     def _file(self, key: bytes) -> str:
         return f"{self._subdir(key)}/{key.hex()}{BLOCK_SUFFIX}"
@@ -315,7 +367,7 @@ class DiskTier(Tier):
                             continue
                         if key and stat.S_ISREG(st.st_mode):
                             found.append((st.st_mtime, key, _alloc(st.st_size)))
-                    elif name.endswith(TMP_SUFFIX) and name[0] == "." and (
+                    elif is_temp_name(name) and (
                         self._stale_tmp(entry, now, me)
                         and _unlink_quietly(entry.path)
                     ):
@@ -328,17 +380,11 @@ class DiskTier(Tier):
         return found
 
     def _stale_tmp(self, entry: os.DirEntry[str], now: float, me: int) -> bool:
-        match = _TMP_NAME.search(entry.name)
         try:
             age = now - entry.stat(follow_symlinks=False).st_mtime
         except OSError:
             return False
-        if age > self.tmp_max_age_s:
-            return True
-        if match is None:
-            return False
-        pid = int(match.group(1))
-        return pid != me and not pid_alive(pid)
+        return stale_temp(entry.name, age, self.tmp_max_age_s, me)
 
     def _load_scan(self, found: list[tuple[float, bytes, int]]) -> int:
         """Replace the index with a scan's result (keeping what changed meanwhile)."""

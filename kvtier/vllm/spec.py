@@ -184,7 +184,19 @@ class KVTierSpec(OffloadingSpec):
             raise ConfigError("disk_bytes is required with disk_path")
         share = s.disk_bytes // max(1, self.config.parallel.world_size)
         return DiskTier(s.disk_path, self.namespace(rank), share, max_block_bytes=self.slot_bytes,
-                        enable_events=self.kv_events_config.enable_kv_cache_events)
+                        enable_events=self.kv_events_config.enable_kv_cache_events,
+                        manifest=self._manifest(rank))
+
+    def _manifest(self, rank: int) -> dict[str, object]:
+        """What a shared tier's namespace says about its engine, for operators
+        (``kvtier disk inspect``): no salt, no secret."""
+        c = self.config
+        return {"model": c.model.name, "kv_dtype": c.model.dtype,
+                "weights": self.model_identity().weights[:24],
+                "tokens_per_block": [g.tokens_per_block for g in c.groups],
+                "rank": rank, "world_size": c.parallel.world_size,
+                "tenant_salted": self.settings.tenant_salt is not None,
+                "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
     def _redis_tier(self, rank: int) -> Tier:
         from kvtier.tiers.redis_tier import RedisTier
