@@ -14,3 +14,23 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
+
+
+_UNITS = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
+          "KI": 1 << 10, "MI": 1 << 20, "GI": 1 << 30, "TI": 1 << 40}
+
+
+def byte_size(text: str) -> int:
+    """Parse a byte count >= 1: ``8000000000``, ``8e9``, ``8G``/``8GB`` (10**9) or
+    ``8Gi``/``8GiB`` (2**30) (an argparse ``type``)."""
+    raw = text.strip().upper().removesuffix("B")
+    number = raw.rstrip("KMGTI")
+    unit = raw[len(number):]
+    try:
+        value = float(number) * _UNITS[unit]
+    except (KeyError, ValueError):
+        raise argparse.ArgumentTypeError(
+            f"not a byte count: {text!r} (e.g. 8000000000, 8G, 8GiB)") from None
+    if value != value or value < 1 or value > 1 << 62 or value != int(value):
+        raise argparse.ArgumentTypeError(f"not a whole byte count >= 1: {text!r}")
+    return int(value)

@@ -11,6 +11,8 @@
     kvtier demo [--conversations N] [--turns N] [--repeats N] [--cpu-bytes B]
                 [--model-dir DIR] [--json]
     kvtier disk inspect|verify [--repair]|purge PATH, kvtier redis inspect URL  (kvtier.tools)
+    kvtier serve MODEL [--cpu-bytes N] [--policy NAME] ... [vllm serve options]  (kvtier.serve)
+    kvtier bench serve [--configs ...] [--traffic ...] [--regimes ...] [--repeats N]  (kvtier.bench)
 
 Errors in the input (unknown policy, missing or malformed trace) are reported
 as ``kvtier: error: ...`` with exit status 2, like argparse's own.
@@ -86,6 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_replay(commands)
     _add_generate(commands)
     _add_demo(commands)
+    _add_serve(commands)
+    from kvtier.bench.commands import add_bench_parser
+
+    add_bench_parser(commands)
     from kvtier.tools.commands import add_disk_parser, add_redis_parser  # imports kvtier.cli
 
     add_disk_parser(commands)
@@ -214,6 +220,31 @@ def cmd_demo(args: argparse.Namespace) -> int:
         raise
 
 
+def _add_serve(commands: Any) -> None:
+    """Register ``kvtier serve`` (flags from :mod:`kvtier.serve`; the rest is vLLM's)."""
+    from kvtier import serve
+
+    p = commands.add_parser(
+        "serve", allow_abbrev=False,
+        help="vLLM's OpenAI-compatible server with kvtier as its offloading spec",
+        description="Run 'vllm serve MODEL ...' with kvtier configured from these flags "
+        "(validated first). Every other argument goes to vllm serve unchanged: see "
+        "'python -m kvtier.launch serve --help' for vLLM's options.",
+    )
+    serve.add_arguments(p)
+    p.set_defaults(func=cmd_serve, passes_unknown=True)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """``kvtier serve``: becomes vLLM's server, or prints its command line."""
+    from kvtier import serve
+
+    try:
+        return serve.run(args, args.unknown)
+    except serve.ServeError as exc:
+        raise CommandError(str(exc)) from None
+
+
 # -- progress and output ---------------------------------------------------------
 
 
@@ -246,11 +277,11 @@ class NoProgress:
 class TqdmProgress:
     """A tqdm bar on ``stream`` (stderr); lines go to stdout without breaking the bar."""
 
-    def __init__(self, total: int, stream: TextIO) -> None:
+    def __init__(self, total: int, stream: TextIO, unit: str = "req") -> None:
         from tqdm import tqdm
 
         self._tqdm = tqdm
-        self._bar = tqdm(total=total, file=stream, unit="req", leave=False)
+        self._bar = tqdm(total=total, file=stream, unit=unit, leave=False)
 
     def update(self, n: int) -> None:
         """Advance by ``n`` requests."""
@@ -270,12 +301,14 @@ class TqdmProgress:
         self._bar.close()
 
 
-def make_progress(total: int, enabled: bool, stream: TextIO | None = None) -> Progress:
-    """A tqdm bar when ``enabled``, ``stream`` (stderr) is a TTY and tqdm is installed."""
+def make_progress(total: int, enabled: bool, stream: TextIO | None = None,
+                  unit: str = "req") -> Progress:
+    """A tqdm bar (counting ``unit``) when ``enabled``, ``stream`` (stderr) is a TTY
+    and tqdm is installed."""
     stream = sys.stderr if stream is None else stream
     if enabled and stream.isatty():
         try:
-            return TqdmProgress(total, stream)
+            return TqdmProgress(total, stream, unit)
         except ImportError:
             pass
     return NoProgress()
@@ -581,7 +614,11 @@ def _run_one(args: argparse.Namespace, keys: list[list[bytes]], policy: str,
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``kvtier`` / ``python -m kvtier``; returns the exit status."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and not getattr(args, "passes_unknown", False):
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    args.unknown = unknown
     try:
         status: int = args.func(args)
     except CommandError as exc:

@@ -626,6 +626,7 @@ class OffloadManager:
             "pinned": len(self._pins),
             "leased": len(self._lease_count),
             "write_pending": len(self._writing),
+            "unevictable": len(self._blocked),
             "free": len(self._free),
             "hits": self.hits,
             "misses": self.misses,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import signal
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -23,18 +25,15 @@ from kvtier.slots.region import (
 
 SPAWN = mp.get_context("spawn")
 
-
 @pytest.fixture
 def engine_id() -> str:
     return f"test-{uuid.uuid4().hex[:12]}"
-
 
 @pytest.fixture
 def region(engine_id: str) -> Iterator[SlotRegion]:
     r = SlotRegion.create(engine_id, num_slots=8, slot_bytes=5000)
     yield r
     r.close()
-
 
 # ---------------------------------------------------------------- child procs
 def _child_read_write(name: str, read_slot: int, write_slot: int, q: mp.Queue) -> None:
@@ -45,7 +44,6 @@ def _child_read_write(name: str, read_slot: int, write_slot: int, q: mp.Queue) -
     finally:
         r.close()
 
-
 def _child_create_and_die(engine_id: str, q: mp.Queue) -> None:
     r = SlotRegion.create(engine_id, num_slots=2, slot_bytes=4096)
     q.put(str(r.path))
@@ -53,16 +51,21 @@ def _child_create_and_die(engine_id: str, q: mp.Queue) -> None:
     q.join_thread()
     os._exit(0)  # no close(), no finalizers: like a crashed engine
 
+def _child_create_with_reaper_and_get_killed(engine_id: str, q: mp.Queue) -> None:
+    r = SlotRegion.create(engine_id, num_slots=2, slot_bytes=4096, reaper=True)
+    q.put(str(r.path))
+    q.close()
+    q.join_thread()
+    os.kill(os.getpid(), signal.SIGKILL)  # what vLLM does to its workers at shutdown
 
-def _run(target: Callable[..., None], *args: object) -> object:
+def _run(target: Callable[..., None], *args: object, exitcode: int = 0) -> object:
     q: mp.Queue = SPAWN.Queue()
     proc = SPAWN.Process(target=target, args=(*args, q))
     proc.start()
     out = q.get(timeout=60)
     proc.join(timeout=60)
-    assert proc.exitcode == 0
+    assert proc.exitcode == exitcode
     return out
-
 
 # ---------------------------------------------------------------- create/attach
 def test_create_maps_shared_memory_file(region: SlotRegion, engine_id: str) -> None:
@@ -77,7 +80,6 @@ def test_create_maps_shared_memory_file(region: SlotRegion, engine_id: str) -> N
     assert header.creator_pid == os.getpid()
     assert header.engine_id == engine_id
 
-
 def test_attach_from_spawned_process_sees_and_writes_bytes(region: SlotRegion) -> None:
     region.slot_array(3)[:16] = np.arange(16, dtype=np.uint8)
     num_slots, slot_bytes, seen = cast(
@@ -88,7 +90,6 @@ def test_attach_from_spawned_process_sees_and_writes_bytes(region: SlotRegion) -
     assert (region.slot_array(5) == 0xAB).all()
     assert (region.slot_array(4) == 0).all()
     assert region.path.exists()  # an attacher's close() never unlinks
-
 
 def test_views_share_memory_without_copies(region: SlotRegion) -> None:
     arr = region.as_numpy()
@@ -103,7 +104,6 @@ def test_views_share_memory_without_copies(region: SlotRegion) -> None:
     with pytest.raises(ValueError, match="uint8 or int8"):
         region.as_torch(torch.float32)
 
-
 def test_attach_checks_geometry_and_kind(region: SlotRegion, tmp_path: Path) -> None:
     attached = SlotRegion.attach(region.path, num_slots=8, slot_bytes=5000)
     attached.close()
@@ -115,7 +115,6 @@ def test_attach_checks_geometry_and_kind(region: SlotRegion, tmp_path: Path) -> 
     junk.write_bytes(b"x" * 8192)
     with pytest.raises(ValueError, match="not a kvtier slot region"):
         SlotRegion.attach(junk)
-
 
 def test_create_twice_fails_and_create_or_attach_joins(engine_id: str) -> None:
     name = f"kvtier-{engine_id}-rank0.slots"
@@ -132,7 +131,6 @@ def test_create_twice_fails_and_create_or_attach_joins(engine_id: str) -> None:
         first.close()
     assert not (default_shm_dir() / name).exists()
 
-
 # ---------------------------------------------------------------- cleanup
 def test_close_unlinks_and_is_idempotent(engine_id: str) -> None:
     r = SlotRegion.create(engine_id, 2, 64)
@@ -146,13 +144,11 @@ def test_close_unlinks_and_is_idempotent(engine_id: str) -> None:
     with pytest.raises(ValueError, match="closed"):
         r.as_numpy()
 
-
 def test_context_manager_unlinks(engine_id: str) -> None:
     with SlotRegion.create(engine_id, 2, 64) as r:
         path = r.path
         assert path.exists()
     assert not path.exists()
-
 
 def test_stale_region_of_dead_creator_is_removed(engine_id: str) -> None:
     stale_path = Path(str(_run(_child_create_and_die, engine_id)))
@@ -166,6 +162,35 @@ def test_stale_region_of_dead_creator_is_removed(engine_id: str) -> None:
     finally:
         live.close()
 
+def test_reaper_removes_the_region_of_a_killed_creator(engine_id: str) -> None:
+    path = Path(str(_run(_child_create_with_reaper_and_get_killed, engine_id,
+                         exitcode=-signal.SIGKILL)))
+    deadline = time.monotonic() + 10
+    while path.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not path.exists()
+
+def test_reaper_of_a_closed_region_is_gone_and_ignores_ctrl_c(engine_id: str) -> None:
+    region = SlotRegion.create(engine_id, 2, 64, reaper=True)
+    assert region._reaper is not None
+    pid = region._reaper.pid
+    time.sleep(0.2)  # once it runs
+    os.kill(pid, signal.SIGINT)  # a Ctrl-C reaches the whole process group
+    time.sleep(0.2)
+    assert _running(pid) and region.path.exists()
+    region.close()
+    deadline = time.monotonic() + 10
+    while _running(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _running(pid) and not region.path.exists()
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (an adopted reaper may wait for init to reap it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 def test_region_with_reused_pid_is_stale(engine_id: str) -> None:
     # A header naming this (live) pid but another process start time: the pid
@@ -177,7 +202,6 @@ def test_region_with_reused_pid_is_stale(engine_id: str) -> None:
         assert path in cleanup_stale_regions()
     finally:
         path.unlink(missing_ok=True)
-
 
 # ---------------------------------------------------------------- bad input
 @pytest.mark.parametrize(
@@ -198,7 +222,6 @@ def test_bad_sizes_rejected(
         SlotRegion.create(engine_id, num_slots, slot_bytes)  # type: ignore[arg-type]
     assert not (default_shm_dir() / region_name(engine_id)).exists()
 
-
 def test_bad_alignment_and_oversize_rejected(engine_id: str) -> None:
     with pytest.raises(ValueError, match="power of two"):
         SlotRegion.create(engine_id, 4, 64, alignment=3000)
@@ -206,12 +229,10 @@ def test_bad_alignment_and_oversize_rejected(engine_id: str) -> None:
         SlotRegion.create(engine_id, 1 << 20, 1 << 30)
     assert not (default_shm_dir() / region_name(engine_id)).exists()
 
-
 @pytest.mark.parametrize("slot_id", [-1, 8, 100])
 def test_out_of_range_slot_ids_rejected(region: SlotRegion, slot_id: int) -> None:
     with pytest.raises(IndexError, match=f"slot id {slot_id} out of range .* 8 slots"):
         region.slot_array(slot_id)
-
 
 def test_non_int_slot_id_rejected(region: SlotRegion) -> None:
     with pytest.raises(TypeError, match="slot id must be an int"):

@@ -248,21 +248,30 @@ def test_every_reported_metric_is_defined() -> None:
     or fails at runtime), with the labels they were defined with."""
     from kvtier.vllm.metrics import fill_stats, metric_definitions
 
-    defs = metric_definitions()
+    defs = metric_definitions({"store_threshold": 2})
     stats = {name: 1 for name in ("hits", "misses", "stores", "evictions", "stores_skipped",
                                   "allocation_failures", "resident", "pinned", "leased",
-                                  "write_pending", "promotions", "probes", "cascade_writes",
+                                  "write_pending", "unevictable", "promotions", "probes",
+                                  "cascade_writes",
                                   "writes_not_admitted", "write_failures", "dropped_writes",
                                   "promotion_failures", "promotions_deferred",
                                   "duplicate_writes_skipped")}
     tiers = {"disk": {"hits": 2, "corrupt": 1, "available": True},
              "redis": {"errors": 3, "available": False}}
     reported: dict[str, int] = {}
-    values = fill_stats(stats, 10, reported, tiers).data["data"]
+    sizes = [3, 1]
+    values = fill_stats(stats, 10, reported, tiers, sizes, store_threshold=2).data["data"]
     assert set(values) <= set(defs)
+    # vLLM's own CPU offloading names, as its CPUOffloadingManager reports them
+    assert values["vllm:kv_offload_cpu_cache_usage_perc"][()] == 0.1
+    assert values["vllm:kv_offload_cpu_cache_write_usage_perc"][()] == 0.1
+    assert values["vllm:kv_offload_cpu_allocation_size"][()] == [3, 1] and sizes == []
+    assert values["vllm:kv_offload_stores_skipped"][()] == 1
+    assert "vllm:kv_offload_stores_skipped" not in metric_definitions({})
     for name, by_labels in values.items():
         assert all(len(labels) == len(defs[name].labelnames) for labels in by_labels), name
     assert values["vllm:kvtier_tier_available"][("redis",)] == 0
     assert values["vllm:kvtier_tier_corrupt"][("disk",)] == 1
-    again = fill_stats(stats, 10, reported, tiers).data["data"]  # nothing new: no increase
+    again = fill_stats(stats, 10, reported, tiers, store_threshold=2).data["data"]  # no increase
     assert "vllm:kvtier_tier_corrupt" not in again and "vllm:kvtier_hits" not in again
+    assert "vllm:kv_offload_stores_skipped" not in again

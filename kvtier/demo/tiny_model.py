@@ -14,6 +14,11 @@ from pathlib import Path
 
 VOCAB_SIZE = 512
 NUM_SPECIAL = 3  # <unk>, <s>, </s>
+NUM_LAYERS = 2
+NUM_HEADS = 4
+NUM_KV_HEADS = 4
+HEAD_DIM = 32
+DTYPE_BYTES = 2  # bfloat16
 _FILES = ("config.json", "model.safetensors", "tokenizer.json", "generation_config.json")
 """Files a complete model dir has."""
 
@@ -82,10 +87,10 @@ def _write_model(out: Path, seed: int) -> None:
         vocab_size=VOCAB_SIZE,
         hidden_size=128,
         intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        head_dim=32,
+        num_hidden_layers=NUM_LAYERS,
+        num_attention_heads=NUM_HEADS,
+        num_key_value_heads=NUM_KV_HEADS,
+        head_dim=HEAD_DIM,
         max_position_embeddings=4096,
         bos_token_id=1,
         eos_token_id=2,
@@ -98,6 +103,11 @@ def _write_model(out: Path, seed: int) -> None:
     (out / "generation_config.json").write_text(
         json.dumps({"bos_token_id": 1, "eos_token_id": 2, "do_sample": False})
     )
+
+
+def kv_bytes_per_block(block_tokens: int) -> int:
+    """Bytes of one engine KV block of the tiny model (K and V of every layer)."""
+    return 2 * NUM_LAYERS * NUM_KV_HEADS * HEAD_DIM * DTYPE_BYTES * block_tokens
 
 
 def token_prompt(length: int, start: int = NUM_SPECIAL) -> list[int]:

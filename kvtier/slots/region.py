@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING, Self
 import numpy as np
 import numpy.typing as npt
 
+from kvtier.slots.reaper import RegionReaper
+
 if TYPE_CHECKING:
     import torch
 
@@ -234,6 +236,7 @@ class SlotRegion:
         self._finalizer = (
             weakref.finalize(self, _unlink_if_owner, path, os.getpid()) if creator else None
         )
+        self._reaper: RegionReaper | None = None
 
     # ------------------------------------------------------------------ create
     @classmethod
@@ -248,6 +251,7 @@ class SlotRegion:
         name: str | None = None,
         populate: bool = True,
         clean_stale: bool = True,
+        reaper: bool = False,
     ) -> SlotRegion:
         """Create the engine's region (removing stale regions of dead engines).
 
@@ -255,7 +259,8 @@ class SlotRegion:
         this process's pid) under ``shm_dir`` (default ``/dev/shm``). Raises
         ``FileExistsError`` if that file exists and ``MemoryError`` if the
         shared-memory file system lacks room. ``populate`` pre-faults every page
-        so later copies never page-fault.
+        so later copies never page-fault. ``reaper``: a child process removes
+        the file even if this process is killed (``kvtier.slots.reaper``).
         """
         _check_geometry(num_slots, slot_bytes, alignment)
         directory = Path(shm_dir) if shm_dir is not None else default_shm_dir()
@@ -268,6 +273,8 @@ class SlotRegion:
         cls._publish(path, header, total)
         try:
             region = cls(path, header, creator=True)
+            if reaper:
+                region._reaper = RegionReaper(path)
             if populate:
                 region._populate()
         except BaseException:
@@ -285,6 +292,7 @@ class SlotRegion:
         name: str,
         shm_dir: str | Path | None = None,
         alignment: int = DEFAULT_ALIGNMENT,
+        reaper: bool = False,
     ) -> SlotRegion:
         """Create region ``name``, or attach if another live process has.
 
@@ -299,6 +307,7 @@ class SlotRegion:
                 alignment=alignment,
                 shm_dir=shm_dir,
                 name=name,
+                reaper=reaper,
             )
         except FileExistsError:
             return cls.attach(name, shm_dir=shm_dir, num_slots=num_slots, slot_bytes=slot_bytes)
@@ -491,6 +500,9 @@ class SlotRegion:
             self._finalizer()  # unlinks once, idempotent
         else:
             _unlink_quietly(self.path)
+        if self._reaper is not None:
+            self._reaper.close()
+            self._reaper = None
 
     def __enter__(self) -> Self:
         return self

@@ -15,6 +15,9 @@ cluster client (keys spread over all shards). The password comes from the URL
 or, when the URL has none, from the environment variable named by
 ``password_env`` (default ``KVTIER_REDIS_PASSWORD``). It is never logged:
 logs, errors and ``repr`` show the URL with the password replaced by ``***``.
+TLS verifies the server's certificate and host name by default (the system's
+CAs, or ``ssl_ca_certs``). The options are checked when the tier is built: a
+misspelt or invalid one (``ssl_ca_cert=``) is a :class:`TierConfigError` then.
 
 Capacity: the server's. Give it ``maxmemory`` and ``maxmemory-policy
 allkeys-lru`` (or ``volatile-lru`` when ``ttl_s`` is set, so only kvtier's keys
@@ -28,7 +31,9 @@ reset, timeouts, auth failures, cluster down) feed a :class:`CircuitBreaker`:
 after ``failure_threshold`` in a row it opens; while open the tier reports
 misses and drops stores without touching the network; after
 ``reset_timeout_s`` (doubling per failed probe up to ``max_reset_timeout_s``)
-one call probes the server and closes the breaker when it succeeds.
+one call probes the server and closes the breaker when it succeeds. The
+warning logged when it opens names the last failure (e.g. a TLS certificate
+that failed verification, a refused password), secrets redacted.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import unquote, urlsplit
 
 import redis
 from redis.backoff import NoBackoff
@@ -48,6 +53,7 @@ from redis.exceptions import RedisClusterException, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
+from kvtier.secrets import REDIS_PASSWORD_ENV, redact_url
 from kvtier.tiers import blockfile
 from kvtier.tiers.base import (
     Counters,
@@ -67,7 +73,7 @@ from kvtier.tiers.namespace import check_namespace
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_PASSWORD_ENV = "KVTIER_REDIS_PASSWORD"
+DEFAULT_PASSWORD_ENV = REDIS_PASSWORD_ENV
 SCHEMES = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster")
 _TRANSPORT_ERRORS: tuple[type[BaseException], ...] = (
     RedisConnectionError,  # includes authentication and busy-loading errors
@@ -75,7 +81,6 @@ _TRANSPORT_ERRORS: tuple[type[BaseException], ...] = (
     RedisClusterException,
     OSError,
 )
-_SECRET_QUERY = ("password", "pass", "passwd")
 T = TypeVar("T")
 
 
@@ -84,26 +89,6 @@ class _Failed:
 
 
 FAILED = _Failed()
-
-
-def redact_url(url: str) -> str:
-    """``url`` with any password (userinfo or query) replaced by ``***``."""
-    try:
-        parts = urlsplit(url)
-        netloc = parts.netloc
-        if parts.password is not None:
-            user = parts.username or ""
-            host = netloc.rpartition("@")[2]
-            netloc = f"{user}:***@{host}"
-        query = parts.query
-        if query:
-            pairs = parse_qsl(query, keep_blank_values=True)
-            query = urlencode(
-                [(k, "***" if k.lower() in _SECRET_QUERY else v) for k, v in pairs], safe="*/"
-            )
-        return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
-    except ValueError:
-        return "<unparsable redis url>"
 
 
 class RedisTier(Tier):
@@ -184,6 +169,8 @@ class RedisTier(Tier):
             secret = os.environ.get(password_env)
             if secret and "password" not in self._options:
                 self._options["password"] = secret
+        self._secrets = _secret_values(self._url, self._options)
+        self._last_failure = ""
         self._client_obj: Any = None
         self._warn = WarningLimiter(logger)
         self._client_lock = threading.Lock()
@@ -216,12 +203,23 @@ class RedisTier(Tier):
 
                     self._client_obj = RedisCluster.from_url(self._url, **kwargs)
                 else:
-                    self._client_obj = redis.Redis.from_url(self._url, **kwargs)
-            except (ValueError, TypeError) as exc:
+                    client = redis.Redis.from_url(self._url, **kwargs)
+                    _check_connection_options(client)
+                    self._client_obj = client
+            except (ValueError, TypeError, RedisError) as exc:
                 raise TierConfigError(
-                    f"redis_url {self.safe_url!r}: {str(exc).replace(self._url, self.safe_url)}"
+                    f"redis_url {self.safe_url!r}: {self._describe(exc, with_type=False)}"
                 ) from None
             return self._client_obj
+
+    def _describe(self, exc: BaseException, with_type: bool = True) -> str:
+        """``"Type: message"`` of ``exc`` with the URL redacted and any password
+        replaced by ``***`` (redis-py's messages hold none, but logs must not rely
+        on that)."""
+        text = str(exc).replace(self._url, self.safe_url)
+        for secret in self._secrets:
+            text = text.replace(secret, "***")
+        return f"{type(exc).__name__}: {text}" if with_type else text
 
     def _rkey(self, key: bytes) -> bytes:
         return self._prefix + key
@@ -229,9 +227,9 @@ class RedisTier(Tier):
     def _on_breaker(self, state: BreakerState) -> None:
         if state == "open":
             logger.warning(
-                "kvtier redis tier %s: circuit breaker open after %d failures; serving "
-                "misses and dropping stores until a probe succeeds", self.safe_url,
-                self._breaker.failure_threshold,
+                "kvtier redis tier %s: circuit breaker open after %d failures (last: %s); "
+                "serving misses and dropping stores until a probe succeeds", self.safe_url,
+                self._breaker.failure_threshold, self._last_failure,
             )
             self._events.emit("breaker_open", (), self.safe_url)
         else:
@@ -255,17 +253,16 @@ class RedisTier(Tier):
             self._breaker.record_success()
             raise
         except _TRANSPORT_ERRORS as exc:
+            self._last_failure = self._describe(exc)  # named when the breaker opens
             self._breaker.record_failure()
             self._counters.add("errors")
             self._drop_idle_connections()
-            logger.debug("kvtier redis tier %s: %s: %s", self.safe_url,
-                         type(exc).__name__, exc)
+            logger.debug("kvtier redis tier %s: %s", self.safe_url, self._last_failure)
             return FAILED
         except RedisError as exc:
             self._breaker.record_success()  # the server answered
             self._counters.add("errors")
-            self._warn.warning("kvtier redis tier %s: %s: %s", self.safe_url,
-                           type(exc).__name__, exc)
+            self._warn.warning("kvtier redis tier %s: %s", self.safe_url, self._describe(exc))
             return FAILED
         self._breaker.record_success()
         return result
@@ -365,7 +362,7 @@ class RedisTier(Tier):
         if isinstance(value, BaseException):
             self._counters.add("errors")
             self._warn.warning("kvtier redis tier %s: GET failed: %s", self.safe_url,
-                               value)
+                               self._describe(value))
             return None, None
         try:
             payload = blockfile.decode(value, self._ns, key)
@@ -444,7 +441,7 @@ class RedisTier(Tier):
                 self._counters.add("errors")
                 if not isinstance(r, ResponseError) or "OOM" not in str(r):
                     self._warn.warning("kvtier redis tier %s: SET failed: %s",
-                                       self.safe_url, r)
+                                       self.safe_url, self._describe(r))
                 out.append(False)
             else:
                 out.append(bool(r))
@@ -527,7 +524,7 @@ class RedisTier(Tier):
             client.ping()
         except (RedisError, RedisClusterException, OSError) as exc:
             raise TierUnavailableError(
-                f"redis tier {self.safe_url}: {type(exc).__name__}: {exc}"
+                f"redis tier {self.safe_url}: {self._describe(exc)}"
             ) from None
         info: dict[str, Any] = {}
         try:
@@ -563,6 +560,27 @@ class RedisTier(Tier):
 
     def __repr__(self) -> str:
         return f"RedisTier({self.safe_url!r}, namespace={self.namespace!r})"
+
+
+def _secret_values(url: str, options: Mapping[str, Any]) -> tuple[str, ...]:
+    """The passwords of ``url`` (as written and decoded) and of ``options``."""
+    found: list[str] = []
+    with contextlib.suppress(ValueError):
+        raw = urlsplit(url).password
+        if raw:
+            found += [raw, unquote(raw)]
+    for value in (options.get("password"), options.get("ssl_password")):
+        if isinstance(value, str) and value:
+            found.append(value)
+    return tuple(sorted(set(found), key=len, reverse=True))  # longest first
+
+
+def _check_connection_options(client: Any) -> None:
+    """Build (without connecting) one connection from ``client``'s options, so
+    that a misspelt or invalid option (``ssl_ca_cert=``, ``ssl_cert_reqs=requird``)
+    fails now, as a config error, not on every call."""
+    pool = client.connection_pool
+    pool.connection_class(**pool.connection_kwargs)
 
 
 def _int_setting(name: str, value: object, low: int) -> int:

@@ -180,7 +180,8 @@ def cmd_disk_verify(args: argparse.Namespace) -> int:
 
     _, selected = _call(disk_admin.select, args.path, args.namespace)
     show_bar = not args.no_progress and sys.stderr.isatty()
-    progress = make_progress(disk_admin.count_blocks(selected) if show_bar else 0, show_bar)
+    progress = make_progress(disk_admin.count_blocks(selected) if show_bar else 0, show_bar,
+                             unit="block")
     progress.describe("verify")
 
     def on_bad(bad: BadBlock) -> None:

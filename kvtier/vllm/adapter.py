@@ -35,6 +35,11 @@ _HIT_SOURCE = {"disk": CacheHitSource.DISK}
 ``EXTERNAL_UNSPECIFIED``, vLLM has no member for a shared remote store)."""
 
 
+MAX_ALLOCATION_SAMPLES = 4096
+"""Store offers whose sizes are kept between two stats reports (the rest are
+not sampled: vLLM reports every step, so this only bounds a stalled logger)."""
+
+
 class _Promoted:
     """Keys a request waited on a promotion for (its per-request state in
     vLLM's ``ReqContext``; bounded by the request's blocks)."""
@@ -68,6 +73,9 @@ class KVTierOffloadingManager(OffloadingManager):
         self.manager = manager
         self.cascade = cascade
         self._reported: dict[str, int] = {}
+        self._allocation_sizes: list[int] = []
+        """Slots granted per store offer since the last ``get_stats`` (vLLM
+        calls it every step; at most ``MAX_ALLOCATION_SAMPLES`` kept)."""
 
     @staticmethod
     def context(req_context: ReqContext) -> RequestContext:
@@ -130,6 +138,8 @@ class KVTierOffloadingManager(OffloadingManager):
             out = self.manager.prepare_store(list(keys), ctx)
         if out is None:
             return None
+        if out.keys_to_store and len(self._allocation_sizes) < MAX_ALLOCATION_SAMPLES:
+            self._allocation_sizes.append(len(out.keys_to_store))
         return PrepareStoreOutput(
             keys_to_store=[OffloadKey(k) for k in out.keys_to_store],
             store_spec=CPULoadStoreSpec(out.block_ids),
@@ -171,7 +181,8 @@ class KVTierOffloadingManager(OffloadingManager):
         if self.cascade is not None:
             stats.update(self.cascade.stats())
             tiers = self.cascade.tier_stats()
-        return fill_stats(stats, self.manager.num_blocks, self._reported, tiers)
+        return fill_stats(stats, self.manager.num_blocks, self._reported, tiers,
+                          self._allocation_sizes, self.manager.store_threshold)
 
     def on_schedule_end(self, context: Any) -> None:
         if self.cascade is not None:

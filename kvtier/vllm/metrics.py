@@ -1,4 +1,13 @@
-"""kvtier's Prometheus metrics, published through vLLM's offloading stats."""
+"""kvtier's Prometheus metrics, published through vLLM's offloading stats.
+
+Two sets, side by side: kvtier's own (``vllm:kvtier_*``: hits, stores, tiers...)
+and the ones vLLM's CPU offloading defines (``vllm:kv_offload_*``: stores
+skipped, CPU cache usage gauges, allocation sizes), under vLLM's names, so
+dashboards and alerts written for vLLM's offloading keep working. vLLM's
+transfer metrics (bytes, time and size per direction) come from the worker's
+transfer results; ``KVTierSpec`` is registered as a CPU offloading spec so
+vLLM also fills the per-direction ``vllm:kv_offload_total_bytes`` family.
+"""
 
 from __future__ import annotations
 
@@ -51,14 +60,18 @@ GAUGES = {
 }
 
 
-def metric_definitions() -> dict[str, Any]:
-    """The metric metadata vLLM registers with Prometheus for KVTierSpec."""
+def metric_definitions(extra_config: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The metric metadata vLLM registers with Prometheus for KVTierSpec:
+    vLLM's CPU offloading metrics (its own definitions) and kvtier's."""
     from vllm.v1.kv_offload.base import OffloadingCounterMetadata, OffloadingGaugeMetadata
+    from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
-    defs: dict[str, Any] = {
+    defs: dict[str, Any] = dict(CPUOffloadingSpec.build_metric_definitions(
+        dict(extra_config or {})))
+    defs.update({
         METRIC_PREFIX + name: OffloadingCounterMetadata(documentation=doc)
         for name, doc in {**COUNTERS, **TIER_COUNTERS}.items()
-    }
+    })
     defs.update(
         {METRIC_PREFIX + name: OffloadingGaugeMetadata(documentation=doc)
          for name, doc in GAUGES.items()}
@@ -79,15 +92,19 @@ def fill_stats(
     num_blocks: int,
     reported: dict[str, int],
     tiers: dict[str, dict[str, Any]] | None = None,
+    allocation_sizes: list[int] | None = None,
+    store_threshold: int = 1,
 ) -> Any:
     """vLLM stats for the interval since the last call; ``reported`` keeps counter
     totals (one entry per metric and tier). ``tiers``: each lower tier's
-    ``stats()`` plus ``available``, by tier name."""
+    ``stats()`` plus ``available``, by tier name. ``allocation_sizes``: slots
+    granted by each store offer since the last call (emptied here)."""
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
         OffloadingConnectorStats,
     )
 
     out = OffloadingConnectorStats()
+    _vllm_cpu_stats(out, stats, num_blocks, reported, allocation_sizes or [], store_threshold)
     for name in (*COUNTERS, *(n for n in TIER_COUNTERS if n in stats)):
         _count(out, reported, name, stats[name])
     for name in ("resident", "pinned", "leased", "write_pending"):
@@ -103,11 +120,34 @@ def fill_stats(
     return out
 
 
-def _count(out: Any, reported: dict[str, int], name: str, total: int, tier: str = "") -> None:
-    """Report the increase of counter ``name`` (of ``tier``) since the last call."""
-    slot = f"{name}|{tier}"
+def _vllm_cpu_stats(out: Any, stats: dict[str, int], num_blocks: int,
+                    reported: dict[str, int], allocation_sizes: list[int],
+                    store_threshold: int) -> None:
+    """vLLM's CPU offloading metrics, as its ``CPUOffloadingManager`` reports them:
+    usage = blocks that cannot be evicted now (written, loaded, leased) over
+    all blocks; write usage = blocks being written; read usage = the rest."""
+    from vllm.v1.kv_offload.cpu.common import CPUOffloadingMetrics as M
+
+    usage = stats["unevictable"] / num_blocks
+    write = stats["write_pending"] / num_blocks
+    out.set_gauge(M.CPU_CACHE_USAGE_PERC, usage)
+    out.set_gauge(M.CPU_CACHE_WRITE_USAGE_PERC, write)
+    out.set_gauge(M.CPU_CACHE_READ_USAGE_PERC, max(usage - write, 0.0))
+    for size in allocation_sizes:
+        out.observe_histogram(M.CPU_ALLOCATION_SIZE, size)
+    allocation_sizes.clear()
+    if store_threshold >= 2:
+        _count(out, reported, "stores_skipped", stats["stores_skipped"], metric=M.STORES_SKIPPED)
+
+
+def _count(out: Any, reported: dict[str, int], name: str, total: int, tier: str = "",
+           metric: str | None = None) -> None:
+    """Report the increase of counter ``name`` (of ``tier``) since the last call,
+    as ``metric`` (default: kvtier's name for it)."""
+    metric = metric or METRIC_PREFIX + name
+    slot = f"{metric}|{tier}"
     delta = total - reported.get(slot, 0)
     reported[slot] = total
     if delta > 0:
         labels = (tier,) if tier else ()
-        out.increase_counter(METRIC_PREFIX + name, delta, labels)
+        out.increase_counter(metric, delta, labels)

@@ -5,13 +5,15 @@ Imports nothing from vLLM, so the rules are testable (and documented) without it
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from kvtier.errors import KVTierError
 from kvtier.leases import DEFAULT_LEASE_TIMEOUT_S, DEFAULT_MAX_LEASES_PER_REQUEST
 from kvtier.policies import policy_class
+from kvtier.secrets import ENV_PREFIX
 from kvtier.tiers.cascade import WRITE_POLICIES
 
 VLLM_KEYS = frozenset(
@@ -71,8 +73,10 @@ class KVTierSettings:
     redis_ttl_s: float | None = None
     """Expiry of every Redis value in seconds; None: none (the server's
     ``maxmemory`` and ``maxmemory-policy`` bound the tier)."""
-    tenant_salt: str | None = None
-    """Separates tenants sharing the disk/Redis tiers (keyed into the namespace)."""
+    tenant_salt: str | None = field(default=None, repr=False)
+    """Separates tenants sharing the disk/Redis tiers (keyed into the namespace).
+    ``"env:NAME"`` reads it from the environment variable NAME, so that no
+    command line or log holds it (``kvtier serve`` does this)."""
     model_identity: str | None = None
     """An identity of the weights the operator vouches for (e.g. the
     checkpoint's digest), used instead of kvtier's fingerprint of the weights
@@ -108,7 +112,20 @@ class KVTierSettings:
                 raise ConfigError(f"{orphans} set but {owner} is not: they configure that tier")
         settings = cls(**values)
         settings._validate()
-        return settings
+        return settings._with_secrets()
+
+    def _with_secrets(self) -> KVTierSettings:
+        """These settings with ``tenant_salt`` read from the environment when it
+        names a variable (``env:NAME``)."""
+        salt = self.tenant_salt
+        if salt is None or not salt.startswith(ENV_PREFIX):
+            return self
+        name = salt.removeprefix(ENV_PREFIX)
+        value = os.environ.get(name) if name else None
+        if not value:
+            raise ConfigError(f"tenant_salt names the environment variable {name!r}, "
+                              "which is not set (or empty)")
+        return replace(self, tenant_salt=value)
 
     def _validate(self) -> None:
         _int_at_least("cpu_bytes_to_use", self.cpu_bytes_to_use, 1, "a byte count")

@@ -15,6 +15,7 @@ from vllm.v1.kv_offload.base import (
     OffloadingWorker,
 )
 from vllm.v1.kv_offload.config import OffloadingConfig
+from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
 from kvtier.identity import IdentityError, ModelIdentity
 from kvtier.manager import OffloadManager
@@ -54,7 +55,7 @@ class KVTierSpec(OffloadingSpec):
 
     @classmethod
     def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, Any]:
-        return metric_definitions()
+        return metric_definitions(extra_config)
 
     def __init__(self, config: OffloadingConfig) -> None:
         super().__init__(config)
@@ -242,6 +243,7 @@ class KVTierSpec(OffloadingSpec):
                 self.num_slots,
                 self.slot_bytes,
                 name=shared_region_name(self.config.engine_id, rank),
+                reaper=True,  # vLLM kills its workers at shutdown: the file must go anyway
             )
             try:
                 self._worker = VllmSlotWorker(kv_caches, region, own_region=True)
@@ -249,3 +251,10 @@ class KVTierSpec(OffloadingSpec):
                 region.close()
                 raise
         return self._worker
+
+
+# kvtier offloads GPU blocks to CPU memory (its transfers are CPU_to_GPU and
+# GPU_to_CPU): as a registered CPU offloading spec, vLLM fills its
+# per-direction transfer metrics (vllm:kv_offload_total_bytes, _total_time,
+# _size) for kvtier too. Registration adds nothing to the class itself.
+CPUOffloadingSpec.register(KVTierSpec)

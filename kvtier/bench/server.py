@@ -1,0 +1,135 @@
+"""One OpenAI-compatible server process: started in its own session, waited
+for, stopped cleanly, and checked for leftovers.
+
+vLLM's server runs as several processes (API server, engine core, workers).
+``ServerProcess`` starts the command in a new session so that every process it
+spawns can be found (``/proc/<pid>/stat``'s session id) and none outlives
+``stop``: a clean stop is SIGINT to the server, which shuts its engine down;
+whatever still runs after ``stop_timeout_s`` is killed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
+
+LOG_TAIL_BYTES = 6000
+
+
+class ServerError(RuntimeError):
+    """The server did not start or stop as expected; the message holds its log's tail."""
+
+
+def session_pids(session: int) -> list[int]:
+    """Processes of session ``session`` still alive (zombies excluded)."""
+    out = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z" and int(fields[3]) == session:
+            out.append(int(entry.name))
+    return out
+
+
+class ServerProcess:
+    """A server command, its port and log file; a context manager (start/stop).
+
+    Owns the process and its session: after ``stop`` no process of the session
+    runs (``leftovers`` says which did before they were killed).
+    """
+
+    def __init__(self, argv: Sequence[str], port: int, log_path: str | Path,
+                 env: Mapping[str, str] | None = None, ready_timeout_s: float = 300.0,
+                 stop_timeout_s: float = 60.0) -> None:
+        self.argv = list(argv)
+        self.port = port
+        self.log_path = Path(log_path)
+        self.env = dict(os.environ if env is None else env)
+        self.ready_timeout_s = ready_timeout_s
+        self.stop_timeout_s = stop_timeout_s
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.leftovers: list[int] = []
+        self.returncode: int | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> ServerProcess:
+        """Start the command and wait until ``/health`` answers 200."""
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT,
+                                         env=self.env, start_new_session=True)
+        deadline = time.monotonic() + self.ready_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise ServerError(f"server exited with status {self.proc.returncode} "
+                                  f"before it was ready:\n{self.log_tail()}")
+            if self._healthy():
+                return self
+            time.sleep(0.5)
+        self.stop()
+        raise ServerError(f"server not ready after {self.ready_timeout_s:.0f} s:\n"
+                          f"{self.log_tail()}")
+
+    def _healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                return bool(r.status == 200)
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def stop(self) -> int:
+        """SIGINT, wait, then kill what is left of the session; the exit status."""
+        proc = self.proc
+        if proc is None:
+            return 0
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(self.stop_timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.returncode = proc.returncode
+        self.leftovers = self._reap_session(proc.pid)
+        self.proc = None
+        return self.returncode
+
+    def _reap_session(self, session: int) -> list[int]:
+        """Wait briefly for the session to empty; kill and return what remains."""
+        deadline = time.monotonic() + 10.0
+        while (left := session_pids(session)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        for pid in left:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        return left
+
+    def log_tail(self) -> str:
+        try:
+            data = self.log_path.read_bytes()
+        except OSError:
+            return "(no log)"
+        return data[-LOG_TAIL_BYTES:].decode(errors="replace")
+
+    def __enter__(self) -> ServerProcess:
+        return self.start()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()

@@ -1,0 +1,448 @@
+"""``kvtier bench serve``: real servers x configurations, driven by vLLM's own client.
+
+For every scenario (traffic x regime x CPU-tier size) and repeat, each
+configuration gets a fresh server on the tiny local model (``CONFIGS``: no
+offloading; vLLM's own CPU manager behind kvtier's worker; kvtier with LRU,
+with its default policy, and default plus a disk tier) and one run of
+``vllm bench serve --dataset-name timed_trace`` over the scaled trace
+(``kvtier.bench.traffic``). Regimes: ``paced`` (the trace's arrival times,
+sped up ``speedup`` times) and ``saturating`` (``concurrency`` requests
+always in flight). Configurations are interleaved and their order rotates
+each repeat, so slow phases of a shared machine hit all of them alike.
+
+Per run: the client's completed/failed counts, request throughput, TTFT mean,
+p50, p99 and max; from the server's ``/metrics``: prompt tokens by source
+(``vllm:prompt_tokens_cached_by_source``) and the CPU-tier hit ratio
+``vllm:external_prefix_cache_hits / _queries``. Runs are appended to
+``OUT/runs.jsonl`` as they finish (``--resume`` skips the ones there);
+the summary holds medians over repeats and ratios against no offloading and
+against vLLM's manager, as a table, JSON and one plot.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvtier.bench import prom
+from kvtier.bench.server import ServerProcess
+from kvtier.launch import vllm_command
+
+BLOCK_TOKENS = 32
+CONFIGS = ("none", "vllm-lru", "lru", "default", "default+disk")
+"""Server configurations, in the order of the table."""
+PEER = "vllm-lru"
+BASELINE = "none"
+TRAFFIC = ("bundled", "generated")
+REGIMES = ("paced", "saturating")
+GENERATED_KIND = "chat"
+MAX_MODEL_LEN = 8192
+"""Longest scaled prompt of the bundled trace is 7,699 tokens (+ output)."""
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    """What ``kvtier bench serve`` runs (its flags)."""
+
+    model: Path
+    out: Path
+    configs: tuple[str, ...] = CONFIGS
+    traffic: tuple[str, ...] = TRAFFIC
+    regimes: tuple[str, ...] = REGIMES
+    cpu_blocks: tuple[int, ...] = (1000, 4000)
+    gpu_blocks: int = 500
+    requests: int = 1500
+    repeats: int = 3
+    speedup: float = 25.0
+    concurrency: int = 16
+    disk_blocks: int = 16000
+    output_cap: int = 8
+    seed: int = 0
+    trace: Path | None = None
+    ready_timeout_s: float = 300.0
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One traffic, regime and CPU-tier size (``cpu_blocks`` 0 for no offloading)."""
+
+    traffic: str
+    regime: str
+    cpu_blocks: int
+
+    @property
+    def label(self) -> str:
+        return f"{self.traffic}/{self.regime}/{self.cpu_blocks}"
+
+
+@dataclass
+class RunResult:
+    """One server run: the client's figures and the server's counters."""
+
+    config: str
+    traffic: str
+    regime: str
+    cpu_blocks: int
+    repeat: int
+    completed: int
+    failed: int
+    throughput: float
+    ttft_mean_ms: float
+    ttft_p50_ms: float
+    ttft_p99_ms: float
+    ttft_max_ms: float
+    hit_ratio: float
+    external_queries: float
+    external_hits: float
+    cached_by_source: dict[str, float] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    @property
+    def key(self) -> tuple[str, str, str, int, int]:
+        return (self.config, self.traffic, self.regime, self.cpu_blocks, self.repeat)
+
+
+# -- one run ---------------------------------------------------------------------
+
+
+def engine_flags(s: BenchSettings, port: int) -> list[str]:
+    """vLLM options every server of the benchmark shares."""
+    return ["--port", str(port), "--block-size", str(BLOCK_TOKENS),
+            "--num-gpu-blocks-override", str(s.gpu_blocks),
+            "--max-model-len", str(MAX_MODEL_LEN),
+            "--hf-overrides", json.dumps({"max_position_embeddings": MAX_MODEL_LEN}),
+            "--kv-cache-memory-bytes", str(256 << 20), "--gpu-memory-utilization", "0.5",
+            "--enforce-eager", "--dtype", "bfloat16", "--seed", str(s.seed)]
+
+
+def server_argv(s: BenchSettings, config: str, cpu_bytes: int, port: int,
+                disk_dir: Path) -> list[str]:
+    """The command starting ``config``'s server."""
+    model = str(s.model)
+    if config == BASELINE:
+        return vllm_command(["serve", model, *engine_flags(s, port)])
+    if config == PEER:
+        extra = {"spec_name": "VllmManagerSpec", "spec_module_path": "kvtier.bench.peer_spec",
+                 "cpu_bytes_to_use": cpu_bytes, "eviction_policy": "lru"}
+        transfer = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                    "kv_connector_extra_config": extra}
+        return vllm_command(["serve", model, *engine_flags(s, port),
+                             "--kv-transfer-config", json.dumps(transfer)])
+    policy, _, tier = config.partition("+")
+    argv = [sys.executable, "-m", "kvtier", "serve", model, "--cpu-bytes", str(cpu_bytes),
+            "--policy", policy]
+    if tier == "disk":
+        argv += ["--disk-path", str(disk_dir),
+                 "--disk-bytes", str(s.disk_blocks * block_bytes(s))]
+    elif tier:
+        raise ValueError(f"unknown tier {tier!r} in configuration {config!r}")
+    return [*argv, *engine_flags(s, port)]
+
+
+def block_bytes(s: BenchSettings) -> int:
+    """Bytes of one engine block of the tiny model."""
+    from kvtier.demo.tiny_model import kv_bytes_per_block
+
+    return kv_bytes_per_block(BLOCK_TOKENS)
+
+
+def client_argv(s: BenchSettings, scenario: Scenario, trace: Path, url: str,
+                result_dir: Path, name: str) -> list[str]:
+    """``vllm bench serve`` over ``trace`` in the scenario's regime."""
+    argv = ["bench", "serve", "--backend", "vllm", "--base-url", url,
+            "--endpoint", "/v1/completions", "--model", str(s.model),
+            "--tokenizer", str(s.model), "--dataset-name", "timed_trace",
+            "--dataset-path", str(trace), "--num-prompts", str(s.requests),
+            "--timed-trace-chunk-hash-size", str(BLOCK_TOKENS),
+            "--timed-trace-sec-multiplier", f"{0.001 / s.speedup:.10f}",
+            "--percentile-metrics", "ttft,e2el", "--metric-percentiles", "50,99",
+            "--save-result", "--save-detailed", "--result-dir", str(result_dir),
+            "--result-filename", name, "--disable-tqdm", "--seed", str(s.seed)]
+    if scenario.regime == "saturating":
+        argv += ["--no-self-timed", "--request-rate", "inf",
+                 "--max-concurrency", str(s.concurrency)]
+    elif scenario.regime != "paced":
+        raise ValueError(f"unknown regime {scenario.regime!r} (choose from {REGIMES})")
+    return vllm_command(argv)
+
+
+def run_one(s: BenchSettings, config: str, scenario: Scenario, repeat: int,
+            trace: Path, work: Path) -> RunResult:
+    """Start ``config``'s server, replay ``trace`` against it, stop it; the figures."""
+    import subprocess
+
+    from kvtier.tiers.redis_server import free_port
+
+    name = f"{config}-{scenario.traffic}-{scenario.regime}-{scenario.cpu_blocks}-r{repeat}"
+    port = free_port()
+    cpu_bytes = scenario.cpu_blocks * block_bytes(s)
+    with tempfile.TemporaryDirectory(prefix="kvtier-bench-disk-") as disk_dir:
+        server = ServerProcess(server_argv(s, config, cpu_bytes, port, Path(disk_dir)), port,
+                               work / "logs" / f"{name}.server.log",
+                               ready_timeout_s=s.ready_timeout_s)
+        start = time.monotonic()
+        server.start()
+        try:
+            env = {**os.environ, "PYTHONHASHSEED": "0"}  # the client seeds prompts by hash()
+            with open(work / "logs" / f"{name}.client.log", "wb") as log:
+                subprocess.run(client_argv(s, scenario, trace, server.url, work / "results",
+                                           name + ".json"),
+                               stdout=log, stderr=subprocess.STDOUT, env=env, check=True)
+            samples = prom.scrape(server.url)
+        finally:
+            server.stop()
+    client = json.loads((work / "results" / f"{name}.json").read_text())
+    return _result(config, scenario, repeat, client, samples, time.monotonic() - start)
+
+
+def _result(config: str, scenario: Scenario, repeat: int, client: dict[str, Any],
+            samples: prom.Samples, seconds: float) -> RunResult:
+    queries = prom.value(samples, "vllm:external_prefix_cache_queries_total")
+    hits = prom.value(samples, "vllm:external_prefix_cache_hits_total")
+    ttfts = [t for t in client.get("ttfts", []) if t]
+    return RunResult(
+        config=config, traffic=scenario.traffic, regime=scenario.regime,
+        cpu_blocks=scenario.cpu_blocks, repeat=repeat,
+        completed=int(client.get("completed", 0)), failed=int(client.get("failed", 0)),
+        throughput=float(client.get("request_throughput", 0.0)),
+        ttft_mean_ms=float(client.get("mean_ttft_ms", 0.0)),
+        ttft_p50_ms=float(client.get("median_ttft_ms", 0.0)),
+        ttft_p99_ms=float(client.get("p99_ttft_ms", 0.0)),
+        ttft_max_ms=1000.0 * max(ttfts) if ttfts else 0.0,
+        hit_ratio=hits / queries if queries else 0.0,
+        external_queries=queries, external_hits=hits,
+        cached_by_source=dict(prom.by_label(
+            samples, "vllm:prompt_tokens_cached_by_source_total", "source")),
+        seconds=seconds)
+
+
+# -- the plan --------------------------------------------------------------------
+
+
+def scenarios(s: BenchSettings) -> list[Scenario]:
+    return [Scenario(t, r, c) for t in s.traffic for r in s.regimes for c in s.cpu_blocks]
+
+
+def plan(s: BenchSettings) -> list[tuple[int, Scenario, str]]:
+    """(repeat, scenario, config) in run order: repeats outermost, scenarios,
+    then the configurations rotated by one each repeat. No offloading does not
+    depend on the CPU-tier size: it runs once per traffic, regime and repeat
+    (as the scenario of the first size)."""
+    out = []
+    for repeat in range(s.repeats):
+        shift = repeat % len(s.configs)
+        order = [*s.configs[shift:], *s.configs[:shift]]
+        for scenario in scenarios(s):
+            for config in order:
+                if config == BASELINE and scenario.cpu_blocks != s.cpu_blocks[0]:
+                    continue
+                out.append((repeat, scenario, config))
+    return out
+
+
+def prepare_traces(s: BenchSettings, work: Path) -> dict[str, Path]:
+    """The scaled traces, written once into ``work``."""
+    from kvtier.bench import traffic
+
+    paths = {}
+    for kind in s.traffic:
+        path = work / f"trace-{kind}.jsonl"
+        if kind == "bundled":
+            traffic.write_scaled(s.trace, path, requests=s.requests,
+                                 tokens_per_block=BLOCK_TOKENS, output_cap=s.output_cap)
+        elif kind == "generated":
+            traffic.write_generated(GENERATED_KIND, s.seed, path, requests=s.requests,
+                                    tokens_per_block=BLOCK_TOKENS, output_cap=s.output_cap)
+        else:
+            raise ValueError(f"unknown traffic {kind!r} (choose from {TRAFFIC})")
+        if traffic.longest_request(path) > MAX_MODEL_LEN:
+            raise ValueError(f"{path}: a request is longer than {MAX_MODEL_LEN} tokens")
+        paths[kind] = path
+    return paths
+
+
+def load_runs(path: Path) -> list[RunResult]:
+    if not path.is_file():
+        return []
+    return [RunResult(**json.loads(line)) for line in path.read_text().splitlines() if line]
+
+
+def run_all(s: BenchSettings, resume: bool = False,
+            progress: Callable[[str], None] | None = None) -> list[RunResult]:
+    """Every run of the plan (those of ``runs.jsonl`` kept with ``resume``)."""
+    work = s.out
+    (work / "logs").mkdir(parents=True, exist_ok=True)
+    (work / "results").mkdir(parents=True, exist_ok=True)
+    runs_file = work / "runs.jsonl"
+    done = {r.key: r for r in load_runs(runs_file)} if resume else {}
+    if not resume:
+        runs_file.write_text("")
+    traces = prepare_traces(s, work)
+    results = []
+    steps = plan(s)
+    for i, (repeat, scenario, config) in enumerate(steps, 1):
+        key = (config, scenario.traffic, scenario.regime, scenario.cpu_blocks, repeat)
+        if key in done:
+            results.append(done[key])
+            continue
+        result = run_one(s, config, scenario, repeat, traces[scenario.traffic], work)
+        with runs_file.open("a") as f:
+            f.write(json.dumps(asdict(result)) + "\n")
+        results.append(result)
+        if progress is not None:
+            progress(f"[{i}/{len(steps)}] {config:<13} {scenario.label:<28} r{repeat}  "
+                     f"{result.completed} ok {result.failed} failed  "
+                     f"{result.throughput:6.2f} req/s  TTFT {result.ttft_mean_ms:8.1f} ms  "
+                     f"hit {result.hit_ratio:.4f}  ({result.seconds:.0f} s)")
+    return results
+
+
+# -- the summary -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Row:
+    """Medians over repeats of one configuration in one scenario, with ratios."""
+
+    config: str
+    traffic: str
+    regime: str
+    cpu_blocks: int
+    repeats: int
+    completed: int
+    failed: int
+    throughput: float
+    ttft_mean_ms: float
+    ttft_p50_ms: float
+    ttft_p99_ms: float
+    hit_ratio: float
+    cached_by_source: dict[str, float]
+    throughput_vs_none: float | None
+    ttft_mean_vs_none: float | None
+    throughput_vs_peer: float | None
+    ttft_mean_vs_peer: float | None
+    ttft_p99_vs_peer: float | None
+    hit_vs_peer: float | None
+
+
+def _median(values: Sequence[float]) -> float:
+    return float(statistics.median(values)) if values else 0.0
+
+
+def _vs(medians: dict[str, Any], reference: dict[str, Any] | None, name: str) -> float | None:
+    """``name``'s median over the reference's; None without a reference or at 0."""
+    if not reference or not reference[name]:
+        return None
+    return float(medians[name]) / float(reference[name])
+
+
+def summarize(results: Sequence[RunResult], s: BenchSettings) -> list[Row]:
+    """One row per scenario and configuration (no offloading repeated in each
+    size's scenario so that ratios compare runs of the same traffic)."""
+    def runs(config: str, sc: Scenario) -> list[RunResult]:
+        size = s.cpu_blocks[0] if config == BASELINE else sc.cpu_blocks
+        return [r for r in results if (r.config, r.traffic, r.regime, r.cpu_blocks)
+                == (config, sc.traffic, sc.regime, size)]
+
+    rows = []
+    for sc in scenarios(s):
+        medians = {c: _medians(runs(c, sc)) for c in s.configs}
+        base, peer = medians.get(BASELINE), medians.get(PEER)  # {} when not run
+        for config in s.configs:
+            m = medians[config]
+            if not m:
+                continue
+            rows.append(Row(
+                config=config, traffic=sc.traffic, regime=sc.regime, cpu_blocks=sc.cpu_blocks,
+                repeats=int(m["repeats"]), completed=int(m["completed"]),
+                failed=int(m["failed"]), throughput=m["throughput"],
+                ttft_mean_ms=m["ttft_mean_ms"], ttft_p50_ms=m["ttft_p50_ms"],
+                ttft_p99_ms=m["ttft_p99_ms"], hit_ratio=m["hit_ratio"],
+                cached_by_source=m["cached_by_source"],
+                throughput_vs_none=_vs(m, base, "throughput"),
+                ttft_mean_vs_none=_vs(m, base, "ttft_mean_ms"),
+                throughput_vs_peer=_vs(m, peer, "throughput"),
+                ttft_mean_vs_peer=_vs(m, peer, "ttft_mean_ms"),
+                ttft_p99_vs_peer=_vs(m, peer, "ttft_p99_ms"),
+                hit_vs_peer=_vs(m, peer, "hit_ratio"),
+            ))
+    return rows
+
+
+def _medians(runs: Sequence[RunResult]) -> dict[str, Any]:
+    """Median of each figure over ``runs`` (counts summed); {} without runs."""
+    if not runs:
+        return {}
+    sources = sorted({k for r in runs for k in r.cached_by_source})
+    out: dict[str, Any] = {name: _median([getattr(r, name) for r in runs]) for name in (
+        "throughput", "ttft_mean_ms", "ttft_p50_ms", "ttft_p99_ms", "hit_ratio")}
+    out.update(repeats=len(runs), completed=sum(r.completed for r in runs),
+               failed=sum(r.failed for r in runs),
+               cached_by_source={k: _median([r.cached_by_source.get(k, 0.0) for r in runs])
+                                 for k in sources})
+    return out
+
+
+TABLE = ("config", "cpu", "done", "fail", "req/s", "TTFT mean", "p50", "p99", "hit",
+         "thr/none", "thr/vllm", "TTFT/vllm", "p99/vllm", "hit/vllm", "host tok", "disk tok")
+
+
+def table(rows: Sequence[Row]) -> Iterator[str]:
+    """Text lines: one block per traffic and regime."""
+    def ratio(v: float | None) -> str:
+        return "-" if v is None else f"{v:.2f}"
+
+    last = None
+    for r in rows:
+        if (r.traffic, r.regime) != last:
+            last = (r.traffic, r.regime)
+            yield ""
+            yield f"{r.traffic} trace, {r.regime} (medians of {r.repeats} runs)"
+            yield ("{:<13} {:>5} {:>5} {:>4} {:>6} {:>10} {:>8} {:>8} {:>7} {:>8} {:>8} "
+                   "{:>9} {:>8} {:>8} {:>9} {:>9}").format(*TABLE)
+        src = r.cached_by_source
+        yield (f"{r.config:<13} {r.cpu_blocks:>5} {r.completed:>5} {r.failed:>4} "
+               f"{r.throughput:>6.2f} {r.ttft_mean_ms:>8.0f}ms {r.ttft_p50_ms:>6.0f}ms "
+               f"{r.ttft_p99_ms:>6.0f}ms {r.hit_ratio:>7.4f} {ratio(r.throughput_vs_none):>8} "
+               f"{ratio(r.throughput_vs_peer):>8} {ratio(r.ttft_mean_vs_peer):>9} "
+               f"{ratio(r.ttft_p99_vs_peer):>8} {ratio(r.hit_vs_peer):>8} "
+               f"{src.get('host', 0):>9.0f} {src.get('disk', 0):>9.0f}")
+
+
+def plot(rows: Sequence[Row], out: Path) -> None:
+    """Three panels per traffic and regime: CPU-tier hit ratio, throughput and
+    mean TTFT of each configuration, grouped by CPU-tier size."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = sorted({(r.traffic, r.regime) for r in rows})
+    fig, axes = plt.subplots(len(groups), 3, figsize=(15, 3.6 * len(groups)), squeeze=False)
+    for (traffic, regime), ax_row in zip(groups, axes, strict=True):
+        mine = [r for r in rows if (r.traffic, r.regime) == (traffic, regime)]
+        sizes = sorted({r.cpu_blocks for r in mine})
+        configs = list(dict.fromkeys(r.config for r in mine))
+        width = 0.8 / max(1, len(configs))
+        for ax, attr, title in zip(ax_row, ("hit_ratio", "throughput", "ttft_mean_ms"),
+                                   ("CPU-tier hit ratio", "requests / s", "mean TTFT (ms)"),
+                                   strict=True):
+            for j, config in enumerate(configs):
+                vals = [next((getattr(r, attr) for r in mine if r.config == config
+                              and r.cpu_blocks == size), 0.0) for size in sizes]
+                ax.bar([i + j * width for i in range(len(sizes))], vals, width, label=config)
+            ax.set_xticks([i + width * (len(configs) - 1) / 2 for i in range(len(sizes))])
+            ax.set_xticklabels([f"{size} CPU blocks" for size in sizes])
+            ax.set_title(f"{title}: {traffic}, {regime}")
+        ax_row[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)

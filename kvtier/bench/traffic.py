@@ -1,0 +1,65 @@
+"""The traces the serving benchmark replays with vLLM's ``timed_trace`` client.
+
+A Mooncake trace counts prompts in 512-token blocks (``hash_ids``). A real
+server here runs a tiny model with 32-token engine blocks, so the benchmark
+maps one Mooncake block to one engine block: input lengths are divided by
+``512 / tokens_per_block`` (16), hash ids are kept, and the client expands each
+hash id into ``tokens_per_block`` tokens (``--timed-trace-chunk-hash-size``).
+Output lengths are capped (``output_cap``): decoding is not what kvtier saves,
+and a tiny model on two cores would spend the run in it. Timestamps are kept;
+the client scales them (``--timed-trace-sec-multiplier``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import replace
+from pathlib import Path
+
+from kvtier.replay.generate import generate, write_trace
+from kvtier.replay.trace import BUNDLED_TRACE, MOONCAKE_BLOCK_TOKENS, TraceRequest, iter_trace
+
+DEFAULT_OUTPUT_CAP = 8
+
+
+def scaled(requests: Iterable[TraceRequest], tokens_per_block: int = 32,
+           output_cap: int = DEFAULT_OUTPUT_CAP,
+           limit: int | None = None) -> Iterator[TraceRequest]:
+    """``requests`` with one Mooncake block mapped to one engine block of
+    ``tokens_per_block`` tokens (module doc); the first ``limit`` only."""
+    if tokens_per_block < 1 or MOONCAKE_BLOCK_TOKENS % tokens_per_block:
+        raise ValueError(f"tokens_per_block must divide {MOONCAKE_BLOCK_TOKENS}, "
+                         f"got {tokens_per_block}")
+    if output_cap < 1:
+        raise ValueError(f"output_cap must be >= 1, got {output_cap}")
+    factor = MOONCAKE_BLOCK_TOKENS // tokens_per_block
+    for i, request in enumerate(requests):
+        if limit is not None and i >= limit:
+            return
+        yield replace(request, input_length=max(1, request.input_length // factor),
+                      output_length=max(1, min(output_cap, request.output_length)))
+
+
+def write_scaled(source: Path | None, out: Path, *, requests: int | None,
+                 tokens_per_block: int = 32, output_cap: int = DEFAULT_OUTPUT_CAP) -> int:
+    """Write the scaled ``source`` trace (default: the bundled one) to ``out``."""
+    src = iter_trace(source or BUNDLED_TRACE)
+    return write_trace(scaled(src, tokens_per_block, output_cap, requests), out)
+
+
+def write_generated(kind: str, seed: int, out: Path, *, requests: int,
+                    tokens_per_block: int = 32, output_cap: int = DEFAULT_OUTPUT_CAP) -> int:
+    """Write ``kvtier generate KIND`` traffic, scaled the same way, to ``out``."""
+    return write_trace(scaled(generate(kind, seed, requests), tokens_per_block, output_cap),
+                       out)
+
+
+def longest_request(path: Path) -> int:
+    """Prompt plus output tokens of the longest request of a (scaled) trace."""
+    return max((r.input_length + r.output_length for r in iter_trace(path)), default=1)
+
+
+def span_ms(path: Path) -> int:
+    """Milliseconds from the trace's first arrival to its last."""
+    stamps = [r.timestamp for r in iter_trace(path)]
+    return max(stamps) - min(stamps) if stamps else 0

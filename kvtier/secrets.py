@@ -1,0 +1,83 @@
+"""Secrets in kvtier's settings: where they live and how they stay out of sight.
+
+Two settings are secret: the Redis password and the tenant salt. Neither is
+ever logged, put in a metric label, an exception message or a printed command.
+Both can come from the environment instead of the config: the Redis tier reads
+the password from ``REDIS_PASSWORD_ENV`` when the URL has none, and a setting
+whose value is ``env:NAME`` is read from the variable NAME (``ENV_PREFIX``).
+``kvtier serve`` moves both there before it starts vLLM, whose logs print
+its whole configuration.
+"""
+
+from __future__ import annotations
+
+from urllib.parse import SplitResult, parse_qsl, unquote, urlencode, urlsplit, urlunsplit
+
+REDIS_PASSWORD_ENV = "KVTIER_REDIS_PASSWORD"
+"""Environment variable holding the Redis password when the URL has none."""
+
+TENANT_SALT_ENV = "KVTIER_TENANT_SALT"
+"""Where ``kvtier serve`` puts the tenant salt (the config then says ``env:KVTIER_TENANT_SALT``)."""
+
+ENV_PREFIX = "env:"
+"""A secret setting's value that names the environment variable holding it."""
+
+SECRET_QUERY_KEYS = ("password", "pass", "passwd")
+"""URL query parameters that hold a password."""
+
+
+def redact_url(url: str) -> str:
+    """``url`` with any password (userinfo or query) replaced by ``***``.
+
+    A URL whose ``@`` is not in the part the URL parser reads as user info (a
+    password holding an unencoded ``/``, ``?`` or ``#``) has everything from
+    ``://`` to its last ``@`` replaced: better too much hidden than a password shown.
+    """
+    try:
+        parts = urlsplit(url)
+        netloc = parts.netloc
+        scheme, sep, rest = url.partition("://")
+        if sep and "@" in rest and "@" not in netloc:
+            return f"{scheme}://***@{rest.rpartition('@')[2]}"
+        if parts.password is not None:
+            user = parts.username or ""
+            host = netloc.rpartition("@")[2]
+            netloc = f"{user}:***@{host}"
+        query = parts.query
+        if query:
+            pairs = parse_qsl(query, keep_blank_values=True)
+            query = urlencode(
+                [(k, "***" if k.lower() in SECRET_QUERY_KEYS else v) for k, v in pairs],
+                safe="*/")
+        return _unsplit(parts, netloc, query)
+    except ValueError:
+        return "<unparsable redis url>"
+
+
+def split_url_password(url: str) -> tuple[str, str | None]:
+    """``(url without its password, the password or None)``; a user name stays.
+
+    The password is returned decoded (``p%40ss`` in the URL is ``p@ss``), as the
+    Redis client would send it. Raises ``ValueError`` for a URL that cannot be parsed.
+    """
+    parts = urlsplit(url)
+    password = None if parts.password is None else unquote(parts.password)
+    netloc = parts.netloc
+    if password is not None:
+        host = netloc.rpartition("@")[2]
+        netloc = f"{parts.username}@{host}" if parts.username else host
+    pairs = parse_qsl(parts.query, keep_blank_values=True)
+    kept = [(k, v) for k, v in pairs if k.lower() not in SECRET_QUERY_KEYS]
+    if password is None:
+        password = next((v for k, v in pairs if k.lower() in SECRET_QUERY_KEYS), None)
+    query = urlencode(kept, safe="/") if len(kept) != len(pairs) else parts.query
+    return _unsplit(parts, netloc, query), password
+
+
+def _unsplit(parts: SplitResult, netloc: str, query: str) -> str:
+    """``urlunsplit`` of ``parts`` with ``netloc`` and ``query``, keeping the
+    ``//`` of a URL without a host (``unix:///path.sock``), which it drops."""
+    text = urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+    if parts.scheme and not netloc and "://" not in text:
+        text = f"{parts.scheme}://{text.partition(':')[2]}"
+    return text

