@@ -26,19 +26,41 @@ SECRET_QUERY_KEYS = ("password", "pass", "passwd")
 """URL query parameters that hold a password."""
 
 
+MISPLACED_AT_HINT = (
+    "it has an '@' outside its user:password part; percent-encode a password's "
+    "'/', '?', '#' and '@' (%2F, %3F, %23, %40), and any '@' of a path or query (%40)"
+)
+"""Why a URL for which :func:`misplaced_at` holds is refused."""
+
+
+def misplaced_at(url: str) -> bool:
+    """Whether ``url`` has an ``@`` outside the part a URL parser reads as user
+    info: typically a password holding an unencoded ``/``, ``?`` or ``#``, of
+    which the parser would take a piece for the host, path or query (and show it
+    in errors). kvtier refuses such URLs (``MISPLACED_AT_HINT``)."""
+    _, sep, rest = url.partition("://")
+    if not sep or "@" not in rest:
+        return False
+    try:
+        netloc = urlsplit(url).netloc
+    except ValueError:
+        return True
+    return rest.count("@") > netloc.count("@")
+
+
 def redact_url(url: str) -> str:
     """``url`` with any password (userinfo or query) replaced by ``***``.
 
-    A URL whose ``@`` is not in the part the URL parser reads as user info (a
-    password holding an unencoded ``/``, ``?`` or ``#``) has everything from
-    ``://`` to its last ``@`` replaced: better too much hidden than a password shown.
+    A URL with an ``@`` outside its user info (:func:`misplaced_at`) has
+    everything from ``://`` to its last ``@`` replaced: better too much hidden
+    than a piece of a password shown.
     """
     try:
+        if misplaced_at(url):
+            scheme, _, rest = url.partition("://")
+            return f"{scheme}://***@{rest.rpartition('@')[2]}"
         parts = urlsplit(url)
         netloc = parts.netloc
-        scheme, sep, rest = url.partition("://")
-        if sep and "@" in rest and "@" not in netloc:
-            return f"{scheme}://***@{rest.rpartition('@')[2]}"
         if parts.password is not None:
             user = parts.username or ""
             host = netloc.rpartition("@")[2]

@@ -154,6 +154,17 @@ def block_bytes(s: BenchSettings) -> int:
     return kv_bytes_per_block(BLOCK_TOKENS)
 
 
+SERVER_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
+"""The same CPU reservation for every configuration: on the CPU platform vLLM
+reserves one more core whenever a KV connector is configured (for NIXL), which
+on a 2-core machine leaves none for the scheduler, so the worker's threads
+would compete with it in offloading configurations only."""
+
+
+def server_env() -> dict[str, str]:
+    return {**os.environ, **SERVER_ENV}
+
+
 def client_argv(s: BenchSettings, scenario: Scenario, trace: Path, url: str,
                 result_dir: Path, name: str) -> list[str]:
     """``vllm bench serve`` over ``trace`` in the scenario's regime."""
@@ -186,7 +197,7 @@ def run_one(s: BenchSettings, config: str, scenario: Scenario, repeat: int,
     cpu_bytes = scenario.cpu_blocks * block_bytes(s)
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-disk-") as disk_dir:
         server = ServerProcess(server_argv(s, config, cpu_bytes, port, Path(disk_dir)), port,
-                               work / "logs" / f"{name}.server.log",
+                               work / "logs" / f"{name}.server.log", env=server_env(),
                                ready_timeout_s=s.ready_timeout_s)
         start = time.monotonic()
         server.start()

@@ -153,6 +153,20 @@ def stale_temp(name: str, age_s: float, max_age_s: float, me: int | None = None)
     return pid != me and not pid_alive(pid)
 
 
+def _make_private_dirs(path: Path) -> None:
+    """Create ``path`` and its missing parents, each 0700 (``os.makedirs`` would
+    give the parents the umask's mode: 0777 under umask 0). Existing ones stay."""
+    missing: list[Path] = []
+    while not os.path.lexists(path):
+        missing.append(path)
+        if path.parent == path:
+            break
+        path = path.parent
+    for directory in reversed(missing):
+        with contextlib.suppress(FileExistsError):  # another engine made it meanwhile
+            os.mkdir(directory, 0o700)
+
+
 def _unlink_quietly(path: str) -> bool:
     try:
         os.unlink(path)
@@ -272,7 +286,7 @@ class DiskTier(Tier):
         try:
             if self.path.exists() and not self.path.is_dir():
                 raise TierConfigError(f"disk_path {self.path} exists and is not a directory")
-            os.makedirs(self.path, 0o700, exist_ok=True)
+            _make_private_dirs(self.path)
             for directory in (self.path / LAYOUT_DIR, self.root):
                 self._own_dir(directory)
             for sub in self._subdirs:

@@ -53,7 +53,7 @@ from redis.exceptions import RedisClusterException, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
-from kvtier.secrets import REDIS_PASSWORD_ENV, redact_url
+from kvtier.secrets import MISPLACED_AT_HINT, REDIS_PASSWORD_ENV, misplaced_at, redact_url
 from kvtier.tiers import blockfile
 from kvtier.tiers.base import (
     Counters,
@@ -144,6 +144,8 @@ class RedisTier(Tier):
             raise TierConfigError(
                 f"redis_url {self.safe_url!r}: scheme must be one of {list(SCHEMES)}"
             )
+        if misplaced_at(url):
+            raise TierConfigError(f"redis_url {self.safe_url!r}: {MISPLACED_AT_HINT}")
         try:
             self.namespace = check_namespace(namespace)
         except (TypeError, ValueError) as exc:

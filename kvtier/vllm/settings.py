@@ -13,7 +13,7 @@ from typing import Any
 from kvtier.errors import KVTierError
 from kvtier.leases import DEFAULT_LEASE_TIMEOUT_S, DEFAULT_MAX_LEASES_PER_REQUEST
 from kvtier.policies import policy_class
-from kvtier.secrets import ENV_PREFIX
+from kvtier.secrets import ENV_PREFIX, MISPLACED_AT_HINT, misplaced_at, redact_url
 from kvtier.tiers.cascade import WRITE_POLICIES
 
 VLLM_KEYS = frozenset(
@@ -28,6 +28,10 @@ VLLM_KEYS = frozenset(
     }
 )
 """Keys of the same dict that vLLM itself reads; passed through untouched."""
+
+SECRET_KEYS = frozenset({"redis_url", "tenant_salt"})
+"""Keys whose values may hold a secret (``kvtier.secrets``): error messages name
+their type, never their value, and ``repr`` redacts the URL and omits the salt."""
 
 
 class ConfigError(KVTierError, ValueError):
@@ -82,6 +86,18 @@ class KVTierSettings:
     checkpoint's digest), used instead of kvtier's fingerprint of the weights
     files; needed when the weights are not local files."""
 
+    def __repr__(self) -> str:
+        """The fields as a dataclass shows them, but the Redis URL's password
+        redacted and the tenant salt left out (``SECRET_KEYS``)."""
+        shown = []
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "redis_url" and isinstance(value, str):
+                value = redact_url(value)
+            if f.repr:
+                shown.append(f"{f.name}={value!r}")
+        return f"{type(self).__name__}({', '.join(shown)})"
+
     @classmethod
     def accepted_keys(cls) -> list[str]:
         """kvtier's own keys, in declaration order."""
@@ -91,7 +107,8 @@ class KVTierSettings:
     def from_extra_config(cls, extra: Mapping[str, Any]) -> KVTierSettings:
         """Validate ``extra``; raise ``ConfigError`` naming the first bad key."""
         if not isinstance(extra, Mapping):
-            raise ConfigError(f"kv_connector_extra_config must be a dict, got {extra!r}")
+            raise ConfigError(f"kv_connector_extra_config must be a dict, got "
+                              f"{type(extra).__name__}")
         own = cls.accepted_keys()
         unknown = sorted(set(extra) - set(own) - VLLM_KEYS)
         if unknown:
@@ -142,7 +159,10 @@ class KVTierSettings:
         for key in ("disk_path", "redis_url", "tenant_salt", "model_identity"):
             value = getattr(self, key)
             if value is not None and (not isinstance(value, str) or not value):
-                raise ConfigError(f"{key} must be a non-empty str (or unset), got {value!r}")
+                raise ConfigError(f"{key} must be a non-empty str (or unset), got "
+                                  f"{_shown(key, value)}")
+        if self.redis_url is not None and misplaced_at(self.redis_url):
+            raise ConfigError(f"redis_url {redact_url(self.redis_url)!r}: {MISPLACED_AT_HINT}")
         if self.disk_path is not None and self.disk_bytes is None:
             raise ConfigError("disk_bytes is required with disk_path: the disk tier's size")
         if self.disk_bytes is not None:
@@ -172,6 +192,13 @@ class KVTierSettings:
             policy_class(self.eviction_policy)
         except ValueError as exc:
             raise ConfigError(f"eviction_policy: {exc}") from None
+
+
+def _shown(key: str, value: object) -> str:
+    """``value`` as an error message may show it: the type of a secret key's."""
+    if key in SECRET_KEYS:
+        return f"a value of type {type(value).__name__}" if value != "" else "an empty str"
+    return repr(value)
 
 
 def _int_at_least(key: str, value: object, low: int, meaning: str) -> None:
