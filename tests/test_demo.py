@@ -88,3 +88,23 @@ def test_demo_runs_the_engine_and_serves_prefixes_from_kvtier(
     summary = report["summary"]
     assert summary["outputs_identical"] and summary["baseline_cached_tokens"] == 0
     assert report["kvtier_stats"]["hits"] > 0
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vllm(-cpu)")
+def test_tiered_demo_second_server_gets_its_first_prefixes_from_disk(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Two real servers in a row on one disk directory (kvtier serve, HTTP)."""
+    argv = ["demo", "--disk", str(tmp_path / "disk"), "--json", "--conversations", "2",
+            "--turns", "2", "--system-tokens", "64", "--user-tokens", "64",
+            "--reply-tokens", "8", "--model-dir", str(tmp_path / "tiny")]
+    assert main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    first, *rest = [r for r in report["requests"] if r["server"] == 2]
+    # The second server's first prompt: system prompt, turn 1 and its reply, on disk.
+    assert first["disk"] >= 64 + 64 and first["host"] == 0 and first["device"] == 0
+    assert report["summary"]["server1"]["disk"] == 0
+    assert report["summary"]["answers_identical"] and report["summary"]["answers_compared"] == 2
+    assert sum(r["disk"] + r["host"] + r["device"] for r in rest) > 0

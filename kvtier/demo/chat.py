@@ -20,7 +20,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -321,6 +321,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-dir", type=Path, default=None, metavar="DIR",
                         help="where the tiny model is built (default ~/.cache/kvtier/tiny-llama)")
     parser.add_argument("--json", action="store_true", help="one JSON object instead of a table")
+    parser.add_argument("--disk", type=Path, default=None, metavar="DIR",
+                        help="the tiered demo instead: two servers one after the other with "
+                        "a disk tier in DIR; the second gets its first prefixes from disk")
 
 
 def workload(args: argparse.Namespace) -> Workload:
@@ -344,6 +347,8 @@ def run(args: argparse.Namespace) -> int:
     if not is_built(model_dir):
         say(f"building the tiny model in {model_dir} ...")
     model = build_tiny_llama(model_dir)
+    if args.disk is not None:
+        return run_tiered(args, model, w, say)
     started = time.perf_counter()
     say("running the chat workload without kvtier ...")
     without = run_engine(model, w, None)
@@ -353,6 +358,26 @@ def run(args: argparse.Namespace) -> int:
     summary = summarize(rows)
     _print_report(args, w, rows, summary, with_kv.stats, time.perf_counter() - started)
     return 0 if summary["outputs_identical"] else 1
+
+
+def run_tiered(args: argparse.Namespace, model: Path, w: Workload,
+               say: Callable[[str], None]) -> int:
+    """``kvtier demo --disk DIR`` (``kvtier.demo.tiered``); 1 when answers differ."""
+    from kvtier.demo import tiered
+
+    if not args.json:
+        print(f"kvtier demo --disk {args.disk}: {w.conversations} conversations x {w.turns} "
+              "turns on two servers in a row (kvtier serve, a disk tier shared by both)")
+        print(tiered.HEADER)
+
+    def row(r: tiered.Served) -> None:
+        if not args.json:
+            print(tiered.format_row(r), flush=True)
+
+    results = tiered.run(model, args.disk, w, args.cpu_bytes, say, row)
+    s = tiered.summary(results)
+    tiered.print_report(results, s, args.json)
+    return 0 if s["answers_identical"] else 1
 
 
 def _progress(quiet: bool) -> Any:
