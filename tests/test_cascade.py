@@ -10,7 +10,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers.delegating_tier import DelegatingTier
 
 from kvtier import MissingBlocksError, OffloadManager, ProtocolError, RequestContext, block_key
 from kvtier.results import LookupResult
@@ -18,6 +17,7 @@ from kvtier.slots.region import SlotRegion
 from kvtier.tiers import DiskTier, KVLayout, Tier
 from kvtier.tiers.blockfile import BytesLike
 from kvtier.tiers.cascade import TierCascade
+from kvtier.tiers.delegating import DelegatingTier
 from kvtier.tiers.redis_server import RedisServer, find_server_binary
 
 NS = KVLayout("test-model", "bfloat16", 16, 2, 2, 64).namespace()

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers.delegating_tier import DelegatingTier
 
 from kvtier import OffloadManager, RequestContext, block_key
 from kvtier.results import LookupResult
@@ -17,6 +16,7 @@ from kvtier.slots.region import SlotRegion
 from kvtier.tiers import KVLayout, Tier
 from kvtier.tiers.blockfile import BytesLike
 from kvtier.tiers.cascade import TierCascade
+from kvtier.tiers.delegating import DelegatingTier
 from kvtier.tiers.probes import ExistenceProbes
 from kvtier.tiers.redis_server import RedisServer, find_server_binary
 

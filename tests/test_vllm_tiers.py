@@ -181,6 +181,8 @@ def test_tier_settings_are_validated() -> None:
     ({"redis_ttl_s": True}, "redis_ttl_s"),
     ({"redis_async_lookups": "yes"}, "redis_async_lookups"),
     ({"model_identity": ""}, "model_identity"),
+    ({"promotion_timeout_s": 0}, "promotion_timeout_s"),
+    ({"promotion_timeout_s": float("nan")}, "promotion_timeout_s"),
     ({"model_identity": 7}, "model_identity"),
 ])
 def test_per_tier_settings_are_validated(bad: dict[str, Any], named: str) -> None:

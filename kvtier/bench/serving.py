@@ -113,45 +113,53 @@ class RunResult:
 # -- one run ---------------------------------------------------------------------
 
 
-def engine_flags(s: BenchSettings, port: int) -> list[str]:
-    """vLLM options every server of the benchmark shares."""
+def engine_flags(gpu_blocks: int, port: int, seed: int = 0,
+                 dtype: str = "bfloat16") -> list[str]:
+    """vLLM options every server of the benchmarks shares (the tiny model)."""
     return ["--port", str(port), "--block-size", str(BLOCK_TOKENS),
-            "--num-gpu-blocks-override", str(s.gpu_blocks),
+            "--num-gpu-blocks-override", str(gpu_blocks),
             "--max-model-len", str(MAX_MODEL_LEN),
             "--hf-overrides", json.dumps({"max_position_embeddings": MAX_MODEL_LEN}),
             "--kv-cache-memory-bytes", str(256 << 20), "--gpu-memory-utilization", "0.5",
-            "--enforce-eager", "--dtype", "bfloat16", "--seed", str(s.seed)]
+            "--enforce-eager", "--dtype", dtype, "--seed", str(seed)]
+
+
+def kvtier_serve_argv(model: Path, cpu_bytes: int, kvtier_flags: Sequence[str],
+                      vllm_flags: Sequence[str]) -> list[str]:
+    """``kvtier serve MODEL --cpu-bytes N [kvtier flags] [vLLM flags]`` as a command."""
+    return [sys.executable, "-m", "kvtier", "serve", str(model), "--cpu-bytes", str(cpu_bytes),
+            *kvtier_flags, *vllm_flags]
 
 
 def server_argv(s: BenchSettings, config: str, cpu_bytes: int, port: int,
                 disk_dir: Path) -> list[str]:
     """The command starting ``config``'s server."""
     model = str(s.model)
+    engine = engine_flags(s.gpu_blocks, port, s.seed)
     if config == BASELINE:
-        return vllm_command(["serve", model, *engine_flags(s, port)])
+        return vllm_command(["serve", model, *engine])
     if config == PEER:
         extra = {"spec_name": "VllmManagerSpec", "spec_module_path": "kvtier.bench.peer_spec",
                  "cpu_bytes_to_use": cpu_bytes, "eviction_policy": "lru"}
         transfer = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
                     "kv_connector_extra_config": extra}
-        return vllm_command(["serve", model, *engine_flags(s, port),
+        return vllm_command(["serve", model, *engine,
                              "--kv-transfer-config", json.dumps(transfer)])
     policy, _, tier = config.partition("+")
-    argv = [sys.executable, "-m", "kvtier", "serve", model, "--cpu-bytes", str(cpu_bytes),
-            "--policy", policy]
+    flags = ["--policy", policy]
     if tier == "disk":
-        argv += ["--disk-path", str(disk_dir),
-                 "--disk-bytes", str(s.disk_blocks * block_bytes(s))]
+        flags += ["--disk-path", str(disk_dir),
+                  "--disk-bytes", str(s.disk_blocks * block_bytes())]
     elif tier:
         raise ValueError(f"unknown tier {tier!r} in configuration {config!r}")
-    return [*argv, *engine_flags(s, port)]
+    return kvtier_serve_argv(s.model, cpu_bytes, flags, engine)
 
 
-def block_bytes(s: BenchSettings) -> int:
-    """Bytes of one engine block of the tiny model."""
-    from kvtier.demo.tiny_model import kv_bytes_per_block
+def block_bytes(dtype_bytes: int = 2) -> int:
+    """Bytes of one engine block of the tiny model (bf16; float32: ``dtype_bytes=4``)."""
+    from kvtier.demo.tiny_model import DTYPE_BYTES, kv_bytes_per_block
 
-    return kv_bytes_per_block(BLOCK_TOKENS)
+    return kv_bytes_per_block(BLOCK_TOKENS) * dtype_bytes // DTYPE_BYTES
 
 
 SERVER_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
@@ -194,7 +202,7 @@ def run_one(s: BenchSettings, config: str, scenario: Scenario, repeat: int,
 
     name = f"{config}-{scenario.traffic}-{scenario.regime}-{scenario.cpu_blocks}-r{repeat}"
     port = free_port()
-    cpu_bytes = scenario.cpu_blocks * block_bytes(s)
+    cpu_bytes = scenario.cpu_blocks * block_bytes()
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-disk-") as disk_dir:
         server = ServerProcess(server_argv(s, config, cpu_bytes, port, Path(disk_dir)), port,
                                work / "logs" / f"{name}.server.log", env=server_env(),

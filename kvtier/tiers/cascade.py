@@ -80,6 +80,10 @@ from kvtier.tiers.uses import BlockUses
 
 logger = logging.getLogger(__name__)
 
+DEFAULT_PROMOTION_TIMEOUT_S = 2.0
+"""How long a request waits for a block to come up from a lower tier before it
+computes the block instead: the most a slow or stuck tier adds to its TTFT."""
+
 WritePolicy = Literal["store", "evict"]
 WRITE_POLICIES: tuple[WritePolicy, ...] = ("store", "evict")
 RegionSource = SlotSource | Callable[[], SlotSource | None]
@@ -124,7 +128,8 @@ class TierCascade:
         failure_ttl_s / max_failed: how long, and for how many keys, a failed
             promotion is remembered as a miss (``max_failed`` also bounds the
             remembered sources of successful promotions).
-        promotion_timeout_s: a promotion running longer is reported as a miss.
+        promotion_timeout_s: a promotion running longer is reported as a miss
+            (the request computes the block; a slow tier costs it at most this).
         own_tiers: close the tiers on ``shutdown``.
     """
 
@@ -145,7 +150,7 @@ class TierCascade:
         max_probes: int = DEFAULT_MAX_PROBES,
         failure_ttl_s: float = 10.0,
         max_failed: int = 10_000,
-        promotion_timeout_s: float = 30.0,
+        promotion_timeout_s: float = DEFAULT_PROMOTION_TIMEOUT_S,
         own_tiers: bool = True,
     ) -> None:
         for name, value in (("io_threads", io_threads), ("max_queue", max_queue),

@@ -14,7 +14,7 @@ from kvtier.errors import KVTierError
 from kvtier.leases import DEFAULT_LEASE_TIMEOUT_S, DEFAULT_MAX_LEASES_PER_REQUEST
 from kvtier.policies import policy_class
 from kvtier.secrets import ENV_PREFIX, MISPLACED_AT_HINT, misplaced_at, redact_url
-from kvtier.tiers.cascade import WRITE_POLICIES
+from kvtier.tiers.cascade import DEFAULT_PROMOTION_TIMEOUT_S, WRITE_POLICIES
 
 VLLM_KEYS = frozenset(
     {
@@ -74,6 +74,9 @@ class KVTierSettings:
     """Ask Redis which blocks it holds in batches on an I/O thread (lookups
     answer RETRY meanwhile; a new request waits a scheduler step) rather than
     one round trip per request on the scheduler thread."""
+    promotion_timeout_s: float = DEFAULT_PROMOTION_TIMEOUT_S
+    """Seconds a request waits for a block to come up from disk or Redis before
+    computing it instead: the most a slow or stuck tier adds to a TTFT."""
     redis_ttl_s: float | None = None
     """Expiry of every Redis value in seconds; None: none (the server's
     ``maxmemory`` and ``maxmemory-policy`` bound the tier)."""
@@ -153,9 +156,11 @@ class KVTierSettings:
         _int_at_least("max_leases_per_request", self.max_leases_per_request, 1, "keys")
         if self.max_leased_blocks is not None:
             _int_at_least("max_leased_blocks", self.max_leased_blocks, 1, "blocks")
-        timeout = self.lease_timeout_s
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
-            raise ConfigError(f"lease_timeout_s must be a number of seconds > 0, got {timeout!r}")
+        for key in ("lease_timeout_s", "promotion_timeout_s"):
+            timeout = getattr(self, key)
+            if (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                    or not timeout > 0):
+                raise ConfigError(f"{key} must be a number of seconds > 0, got {timeout!r}")
         for key in ("disk_path", "redis_url", "tenant_salt", "model_identity"):
             value = getattr(self, key)
             if value is not None and (not isinstance(value, str) or not value):

@@ -160,7 +160,8 @@ class KVTierSpec(OffloadingSpec):
             thresholds.append(s.redis_store_threshold)
         return TierCascade(manager, self._region_attacher(), tiers, policies,
                            store_threshold=thresholds, max_tracker_size=s.max_tracker_size,
-                           async_lookups=s.redis_async_lookups)
+                           async_lookups=s.redis_async_lookups,
+                           promotion_timeout_s=s.promotion_timeout_s)
 
     def _ranked(self, make: Callable[[int], Tier]) -> Tier:
         """One tier per rank (``make(rank)``), as one ``RankedTier`` when several."""

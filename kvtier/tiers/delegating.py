@@ -1,15 +1,21 @@
-"""A Tier that forwards every call to a real tier; tests subclass it to delay
-or count calls (the bytes still come from the real tier, never from a fake)."""
+"""A tier that forwards every call to a real tier.
+
+Subclasses delay, count or fail calls of a real tier for fault drills and tests
+(``kvtier.bench.fault_spec``'s slow disk); the bytes always come from the real
+tier, never from a fake.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvtier.tiers import Tier, TierEvent
+from kvtier.tiers.base import Tier, TierEvent
 from kvtier.tiers.blockfile import BytesLike
 
 
 class DelegatingTier(Tier):
+    """Owns ``inner`` (closed with it) and answers every call through it."""
+
     def __init__(self, inner: Tier) -> None:
         self.inner, self.name, self.namespace = inner, inner.name, inner.namespace
         self.remote = inner.remote
