@@ -6,7 +6,7 @@
                   [--driver sequential|engine] [--concurrency N] [--max-delay N]
                   [--preempt P] [--seed N] [--disk-blocks N]
                   [--disk-store-threshold K[,K...]] [--disk-write-policy store|evict[,...]]
-                  [--limit-requests M] [--gpu-blocks N]
+                  [--limit-requests M] [--gpu-blocks N] [--gpu-batch-tokens N]
     kvtier generate KIND [--seed N] [--requests M] -o OUT.jsonl
     kvtier demo [--conversations N] [--turns N] [--repeats N] [--cpu-bytes B]
                 [--model-dir DIR] [--json]
@@ -26,7 +26,7 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Protocol, TextIO
+from typing import TYPE_CHECKING, Any, Protocol, TextIO
 
 from kvtier import __version__
 from kvtier.argtypes import positive_int
@@ -36,7 +36,10 @@ from kvtier.policies import policy_class
 from kvtier.replay.driver import BOUNDS, ReplayResult, bound_results, replay, trace_keys
 from kvtier.replay.engine import EngineConfig, replay_engine
 from kvtier.replay.generate import KINDS, generate, write_trace
-from kvtier.replay.trace import BUNDLED_TRACE, TraceFormatError, load_trace
+from kvtier.replay.trace import BUNDLED_TRACE, TraceFormatError, TraceRequest, load_trace
+
+if TYPE_CHECKING:
+    from kvtier.replay.engine_schedule import ServedRequest
 
 PROG = "kvtier"
 EXIT_USAGE = 2
@@ -152,12 +155,20 @@ def _add_replay(commands: Any) -> None:
     p.add_argument("--limit-requests", type=positive_int, default=None, metavar="M",
                    help="replay only the first M requests of the trace")
     p.add_argument("--gpu-blocks", type=positive_int, default=None, metavar="N",
-                   help="put a model of vLLM's own prefix cache of N engine blocks in front "
-                   "of kvtier and report kvtier's CPU-tier hit ratio (vLLM's "
-                   "external_prefix_cache_hits / _queries), the engine cache's and the "
-                   "combined one; one request at a time, or --concurrency N in flight with "
-                   "--driver engine (loads and stores complete at once); --bounds: OPT over "
+                   help="put a model of vLLM's own prefix cache of N engine blocks (its "
+                   "--num-gpu-blocks-override, one is vLLM's null block) in front of kvtier, "
+                   "the trace served as 'kvtier bench serve' serves it (32-token blocks, "
+                   "full blocks only, outputs capped), and report kvtier's CPU-tier hit "
+                   "ratio in tokens (vLLM's external_prefix_cache_hits / _queries), the "
+                   "engine cache's and the combined one; one request at a time, or "
+                   "--concurrency N in flight with --driver engine (N: the server's mean "
+                   "vllm:num_requests_running), or --gpu-batch-tokens; --bounds: OPT over "
                    "the blocks kvtier is asked about")
+    p.add_argument("--gpu-batch-tokens", type=positive_int, default=None, metavar="N",
+                   help="with --gpu-blocks: run vLLM's scheduler over a queue that never runs "
+                   "dry (a saturated server: vllm:num_requests_waiting > 0) with N batched "
+                   "tokens per step (vLLM's max_num_batched_tokens, 2048 on the CPU "
+                   "platform's server) instead of a fixed number in flight")
     p.set_defaults(func=cmd_replay)
 
 
@@ -390,19 +401,19 @@ def check_policies(names: Sequence[str]) -> None:
             raise CommandError(str(exc)) from None
 
 
-def load_keys(path: Path) -> list[list[bytes]]:
-    """The trace's requests as block keys; ``CommandError`` when unreadable or empty."""
+def load_requests(path: Path) -> list[TraceRequest]:
+    """The trace's requests; ``CommandError`` when unreadable or empty."""
     try:
-        keys = trace_keys(load_trace(path))
+        requests = load_trace(path)
     except (FileNotFoundError, IsADirectoryError) as exc:
         raise CommandError(str(exc)) from None
     except TraceFormatError as exc:
         raise CommandError(f"malformed trace: {exc}") from None
     except OSError as exc:
         raise CommandError(f"cannot read trace {path}: {exc.strerror or exc}") from None
-    if not keys:
+    if not requests:
         raise CommandError(f"{path}: the trace has no requests")
-    return keys
+    return requests
 
 
 class JsonLines:
@@ -441,13 +452,13 @@ def cmd_replay(args: argparse.Namespace) -> int:
         for option in ("--disk-store-threshold", "--disk-write-policy"):
             if getattr(args, option[2:].replace("-", "_")) is not None:
                 raise CommandError(f"{option} needs --disk-blocks")
+    if args.gpu_batch_tokens is not None and args.gpu_blocks is None:
+        raise CommandError("--gpu-batch-tokens needs --gpu-blocks")
     path: Path = args.trace if args.trace is not None else BUNDLED_TRACE
-    keys = load_keys(path)
-    if args.limit_requests is not None:
-        keys = keys[: args.limit_requests]
+    trace = load_requests(path)[: args.limit_requests]
+    keys = trace_keys(trace)
     policies = [p for p in args.policy if p not in BOUNDS]
-    if args.gpu_blocks is not None:
-        _check_gpu_blocks(args, keys)
+    served = _check_gpu_blocks(args, trace) if args.gpu_blocks is not None else None
     if args.disk_blocks is not None:
         return _cmd_replay_tiered(args, path, keys, policies)
     bounds = [b for b in BOUNDS if b in args.policy or args.bounds]
@@ -461,11 +472,12 @@ def cmd_replay(args: argparse.Namespace) -> int:
             progress.write(header)
         for policy, capacity, threshold in grid:
             progress.describe(f"{policy} {capacity} k={threshold}")
-            results.append(_run_one(args, keys, policy, capacity, threshold, progress))
+            results.append(_run_one(args, keys, policy, capacity, threshold, progress,
+                                    served))
             progress.write(out.row(results[-1]))
         if bounds:
             progress.describe("bounds")
-            rows = _bound_rows(args, keys, bounds)
+            rows = _bound_rows(args, keys, bounds, served)
             progress.update(len(keys))
             for row in rows:
                 results.append(row)
@@ -531,18 +543,19 @@ def _cmd_replay_tiered(args: argparse.Namespace, path: Path, keys: list[list[byt
     return 0
 
 
-def _bound_rows(args: argparse.Namespace, keys: list[list[bytes]],
-                bounds: list[str]) -> list[ReplayResult]:
+def _bound_rows(args: argparse.Namespace, keys: list[list[bytes]], bounds: list[str],
+                served: Sequence[ServedRequest] | None) -> list[ReplayResult]:
     """The bound rows: over the trace, or with ``--gpu-blocks`` over the blocks
     kvtier is asked about behind the engine cache."""
     opt, infinite = "opt" in bounds, "infinite" in bounds
-    if args.gpu_blocks is None:
+    if served is None:
         return bound_results(keys, args.capacity, opt=opt, infinite=infinite,
                              block_bytes=args.block_bytes)
     from kvtier.replay.behind_engine import behind_engine_bounds
 
-    return list(behind_engine_bounds(keys, args.capacity, gpu_blocks=args.gpu_blocks,
-                                     concurrency=_gpu_concurrency(args), opt=opt,
+    return list(behind_engine_bounds(served, args.capacity, gpu_blocks=args.gpu_blocks,
+                                     concurrency=_gpu_concurrency(args),
+                                     batch_tokens=args.gpu_batch_tokens, opt=opt,
                                      infinite=infinite, block_bytes=args.block_bytes))
 
 
@@ -551,19 +564,26 @@ def _gpu_concurrency(args: argparse.Namespace) -> int:
     return int(args.concurrency) if args.driver == "engine" else 1
 
 
-def _check_gpu_blocks(args: argparse.Namespace, keys: list[list[bytes]]) -> None:
-    """``CommandError`` for options ``--gpu-blocks`` cannot run with, or a request
-    longer than the engine cache."""
-    from kvtier.replay.behind_engine import check_fits
+def _check_gpu_blocks(args: argparse.Namespace,
+                      trace: Sequence[TraceRequest]) -> list[ServedRequest]:
+    """The trace as the engine gets it; ``CommandError`` for options ``--gpu-blocks``
+    cannot run with, or a request longer than the engine cache."""
+    from kvtier.replay.behind_engine import check_fits, served_requests
 
     if args.disk_blocks is not None:
         raise CommandError("--gpu-blocks cannot be combined with --disk-blocks")
     if args.preempt:
-        raise CommandError("--gpu-blocks does not model preemption (no --preempt)")
+        raise CommandError("--gpu-blocks does not take --preempt (the scheduler model of "
+                           "--gpu-batch-tokens preempts as vLLM does)")
+    if args.gpu_batch_tokens is not None and args.driver == "engine":
+        raise CommandError("--gpu-batch-tokens sets the requests in flight itself "
+                           "(no --driver engine / --concurrency)")
     try:
-        check_fits(keys, args.gpu_blocks)
+        served = served_requests(trace)
+        check_fits(served, args.gpu_blocks)
     except ValueError as exc:
         raise CommandError(f"--gpu-blocks {args.gpu_blocks}: {exc}") from None
+    return served
 
 
 def _check_engine_options(args: argparse.Namespace) -> None:
@@ -585,14 +605,17 @@ def _plot(results: list[ReplayResult], out: Path, trace: Path) -> None:
 
 
 def _run_one(args: argparse.Namespace, keys: list[list[bytes]], policy: str,
-             capacity: int, threshold: int, progress: Progress) -> ReplayResult:
-    """One replay; bad manager parameters become ``CommandError`` (protocol bugs do not)."""
+             capacity: int, threshold: int, progress: Progress,
+             served: Sequence[ServedRequest] | None = None) -> ReplayResult:
+    """One replay (``served``: the trace as the engine gets it, with ``--gpu-blocks``);
+    bad manager parameters become ``CommandError`` (protocol bugs do not)."""
     try:
-        if args.gpu_blocks is not None:
+        if served is not None:
             from kvtier.replay.behind_engine import replay_behind_engine
 
-            return replay_behind_engine(keys, capacity, policy, gpu_blocks=args.gpu_blocks,
+            return replay_behind_engine(served, capacity, policy, gpu_blocks=args.gpu_blocks,
                                         concurrency=_gpu_concurrency(args),
+                                        batch_tokens=args.gpu_batch_tokens,
                                         store_threshold=threshold,
                                         max_tracker_size=args.max_tracker_size,
                                         block_bytes=args.block_bytes,

@@ -3,80 +3,107 @@
 In serving, vLLM's GPU prefix cache (``kvtier.replay.gpu_cache``) answers
 first, and vLLM's offloading connector
 (``vllm/distributed/kv_transfer/kv_connector/v1/offloading/scheduler.py``,
-``OffloadingConnectorScheduler``) talks to kvtier only about the rest. What
-the connector does in vLLM 0.32, for a prompt of n blocks with e engine hits:
+``OffloadingConnectorScheduler``) talks to kvtier only about the rest. The
+engine runs requests as ``kvtier.replay.engine_schedule`` models it (a fixed
+number in flight, or vLLM's scheduler over a saturated queue); this module is
+the connector side over an ``OffloadManager``. What the connector does in vLLM
+0.32, for a request of ``num_tokens`` tokens, n full blocks (only full blocks
+have keys: ``Request.block_hashes``), with e engine-hit blocks:
 
 * lookup (``get_num_new_matched_tokens`` → ``_lookup_complete_chunks`` →
   ``_maximal_prefix_lookup``): kvtier is asked about blocks e, e+1, ... one
-  by one until the first miss, up to the prompt's last full block (the
-  connector's cap is ``num_tokens``, not ``num_tokens - 1``: the last block of
-  an aligned prompt can be loaded; the scheduler then recomputes only its last
-  token, ``Scheduler._update_waiting_for_remote_kv``);
+  by one until the first miss, up to the last full block (the cap is
+  ``num_tokens``, not ``num_tokens - 1``: the last block of an aligned prompt
+  can be loaded; the scheduler then recomputes only its last token). It is
+  asked at every step the request waits to be admitted;
 * load (``update_state_after_alloc``): the h hits are loaded into new engine
-  blocks, which the engine caches like computed ones;
-* store offer (``_build_store_jobs``): ``prepare_store`` gets the request's
-  full blocks from ``next_stored_chunk_idx`` on. That index starts at 0 and
-  only ``update_state_after_alloc`` moves it, to e + h, and only when h > 0
-  (kvtier's adapter keeps vLLM's default ``OffloadPolicy.CHUNK_LEVEL``). So a
-  request with kvtier hits offers only the blocks it computed; a request
-  without any offers every block, its engine-cache hits included. With
-  ``offload_prompt_only`` (vLLM's default, True) only prompt blocks are offered;
+  blocks (``prepare_load`` at admission, ``complete_load`` after the step);
+* store offers (``build_connector_meta`` → ``_build_store_jobs``): at each step
+  the request is scheduled in, ``prepare_store`` gets its full prompt blocks
+  (``offload_prompt_only``, vLLM's default) up to the tokens computed after the
+  step, from ``next_stored_chunk_idx`` on. That index starts at 0 and moves on
+  after each granted offer; ``update_state_after_alloc`` sets it to e + h when
+  h > 0 (kvtier's adapter keeps vLLM's default ``OffloadPolicy.CHUNK_LEVEL``).
+  So a request with kvtier hits offers only the blocks it computes; one without
+  any offers every block, its engine hits included. An offer that fails
+  (``None``) is retried at the request's next step. Stores complete after the
+  step;
+* finish: ``on_request_finished`` in the step after the request left the engine
+  (``build_connector_meta``, after that step's lookups and offers);
 * the metric (``vllm/v1/core/sched/scheduler.py``, ``Scheduler.schedule``;
-  ``vllm/v1/metrics/loggers.py``): ``vllm:external_prefix_cache_queries`` adds
-  ``num_tokens - local hit tokens`` per new request (preempted ones are counted
-  apart), ``vllm:external_prefix_cache_hits`` the tokens loaded;
-  ``vllm:prefix_cache_queries`` / ``_hits`` are the prompt's tokens and the
-  local hit tokens.
+  ``vllm/v1/metrics/stats.py``, ``PrefixCacheStats.record``):
+  ``vllm:external_prefix_cache_queries`` adds ``num_tokens - local hit tokens``
+  per admitted request, ``vllm:external_prefix_cache_hits`` the tokens loaded;
+  resumed (preempted) requests are counted apart, not in these.
 
-Per request, in trace order, this driver: takes the engine hit e (``match``)
-and allocates the request's blocks in the engine cache; looks up ``keys[e:]``
-in kvtier, loads the h hits; offers ``keys[e + h:]`` when h > 0, else all
-``keys``, and completes the stores granted; finishes the request in both when
-it leaves the engine. With ``concurrency`` C, up to C requests hold engine
-blocks at once: the oldest finishes when a C+1-th starts, or earlier when the
-new one needs its blocks. Loads and stores complete at once. Memory beyond
-the manager's: the engine cache's O(gpu_blocks) and the contexts of at most C
-running requests.
+The trace is replayed as the serving benchmark serves it (``served_requests``:
+``kvtier.bench.traffic.scaled``, 32-token engine blocks, outputs capped, and
+vLLM's client expanding each hash id into one block of tokens,
+``TimedTrace._expand_prompt``): a request has ``input_length // 512`` full
+blocks and a partial last block, which is never cached, looked up or offered
+but whose tokens are queries.
 
-Ratios, in blocks (requests are block-aligned, as in the sequential lab):
-``hit_ratio`` = kvtier hits / blocks kvtier was asked about (the CPU-tier
-ratio, as external_prefix_cache_hits / external_prefix_cache_queries);
-``gpu_hit_ratio`` = engine hits / prompt blocks; ``combined_hit_ratio`` =
-(engine + kvtier hits) / prompt blocks.
+Ratios, in tokens as vLLM counts them: ``hit_ratio`` = kvtier hit tokens /
+tokens kvtier was queried for (the CPU-tier ratio, as
+external_prefix_cache_hits / external_prefix_cache_queries); ``gpu_hit_ratio``
+= engine hit tokens / prompt tokens (vLLM's prefix cache hit rate);
+``combined_hit_ratio`` = (engine + kvtier hit tokens) / prompt tokens. Memory
+beyond the manager's: the engine model's (``engine_schedule``) and the
+contexts of the requests the engine holds or has asked about.
 """
 
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvtier.bench.traffic import DEFAULT_OUTPUT_CAP, scaled
 from kvtier.manager import OffloadManager
 from kvtier.replay.driver import (
+    PROGRESS_EVERY,
     ProgressCallback,
     ReplayResult,
     bound_results,
     replay_manager,
-    request_contexts,
+    trace_keys,
+)
+from kvtier.replay.engine_schedule import (
+    Connector,
+    EngineCounts,
+    FixedFront,
+    SaturatedScheduler,
+    ServedRequest,
+    cdiv,
 )
 from kvtier.replay.gpu_cache import GpuPrefixCache
+from kvtier.replay.trace import TraceRequest
 from kvtier.request import RequestContext
+
+ENGINE_BLOCK_TOKENS = 32
+"""Tokens per engine block of the serving benchmark (``kvtier.bench.serving.BLOCK_TOKENS``)."""
 
 
 @dataclass(frozen=True, slots=True)
 class BehindEngineResult(ReplayResult):
     """A replay's figures behind an engine cache of ``gpu_blocks`` blocks.
 
-    As ``ReplayResult``, except: ``hit_blocks`` / ``hit_ratio`` are kvtier's
-    hits and its CPU-tier ratio, hits / ``queried_blocks`` (blocks kvtier was
-    asked about: those past each prompt's engine hit); ``offered_blocks`` are
-    the trace's prompt blocks (``us_per_key`` is manager time per prompt block)
-    and ``kvtier_offered_blocks`` the blocks offered to kvtier;
-    ``gpu_hit_ratio`` = ``gpu_hit_blocks`` / prompt blocks; ``combined_hit_ratio``
-    = (engine + kvtier hits) / prompt blocks. ``driver`` is ``"behind-engine"``,
-    or ``"bound"`` for OPT / infinite rows over the blocks kvtier is asked about.
+    As ``ReplayResult``, except: ``hit_ratio`` is kvtier's CPU-tier ratio in
+    tokens, ``hit_tokens`` / ``queried_tokens`` (tokens past each admitted
+    request's engine hit); ``hit_blocks`` / ``queried_blocks`` are the same in
+    full blocks (those kvtier was asked about); ``offered_blocks`` are the
+    requests' full prompt blocks (``us_per_key`` is manager time per such
+    block) and ``kvtier_offered_blocks`` the blocks offered to kvtier;
+    ``gpu_hit_ratio`` = ``gpu_hit_tokens`` / ``prompt_tokens``;
+    ``combined_hit_ratio`` = (engine + kvtier hit tokens) / ``prompt_tokens``.
+    ``gpu_blocks`` is vLLM's ``num_gpu_blocks`` (one of them its null block).
+    ``batch_tokens`` is the scheduler model's token budget per step, 0 for a
+    fixed ``concurrency``; then ``concurrency`` is 0 and ``mean_running`` /
+    ``max_running`` are the scheduler's requests in flight (per step), to
+    compare with the server's ``vllm:num_requests_running``. ``driver`` is
+    ``"behind-engine"``, or ``"bound"`` for OPT / infinite rows over the blocks
+    kvtier is asked about.
     """
 
     gpu_blocks: int = 0
@@ -85,154 +112,296 @@ class BehindEngineResult(ReplayResult):
     queried_blocks: int = 0
     kvtier_offered_blocks: int = 0
     combined_hit_ratio: float = 0.0
+    prompt_tokens: int = 0
+    queried_tokens: int = 0
+    hit_tokens: int = 0
+    gpu_hit_tokens: int = 0
+    batch_tokens: int = 0
+    mean_running: float = 0.0
+    max_running: int = 0
 
 
-class EngineFront:
-    """The engine side of a replay: its prefix cache and the requests running in it.
+def served_requests(trace: Iterable[TraceRequest], block_tokens: int = ENGINE_BLOCK_TOKENS,
+                    output_cap: int = DEFAULT_OUTPUT_CAP) -> list[ServedRequest]:
+    """The trace's requests as the serving benchmark sends them to the engine.
 
-    Owns a ``GpuPrefixCache`` and the ids of the requests holding its blocks,
-    oldest first (at most ``concurrency``). A request is admitted once the
-    cache has the free blocks it needs, finishing the oldest running ones
-    first as needed; nothing else finishes a request early. The engine side
-    never depends on kvtier, so its hits are the same whatever kvtier holds.
-    Memory: the cache's O(``num_blocks``) and ``concurrency`` request ids.
+    ``kvtier.bench.traffic.scaled`` maps one 512-token trace block to one
+    engine block of ``block_tokens`` tokens and caps outputs; vLLM's client
+    then expands the hash ids into at most ``input_length`` tokens, one block
+    each (so no more than ``block_tokens * len(hash_ids)``). Keys are the
+    full blocks' (``trace_keys``; equal hash ids share one key object).
+    ``ValueError`` for a request without prompt tokens.
     """
-
-    def __init__(self, gpu_blocks: int, concurrency: int = 1) -> None:
-        if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
-            raise ValueError(f"concurrency must be an int >= 1, got {concurrency!r}")
-        self.cache = GpuPrefixCache(gpu_blocks)
-        self.concurrency = concurrency
-        self._running: deque[str] = deque()
-
-    def admit(self, req_id: str, keys: Sequence[bytes]) -> tuple[int, list[str]]:
-        """Start ``req_id``; return its engine hit in blocks and the requests
-        that finished before it started, in finishing order.
-
-        ``GpuPrefixCache.allocate``'s errors pass through (a request longer
-        than the whole cache raises ``EngineCacheFullError``).
-        """
-        cache, running = self.cache, self._running
-        finished = []
-        if len(running) >= self.concurrency:
-            finished.append(self._finish_oldest())
-        hits = cache.match(keys)  # finishing frees blocks but uncaches none
-        while running and cache.blocks_needed(keys, hits) > cache.free_blocks:
-            finished.append(self._finish_oldest())
-        cache.allocate(req_id, keys, hits)
-        running.append(req_id)
-        return hits, finished
-
-    def drain(self) -> list[str]:
-        """Finish every running request, oldest first; return their ids."""
-        return [self._finish_oldest() for _ in range(len(self._running))]
-
-    def _finish_oldest(self) -> str:
-        req_id = self._running.popleft()
-        self.cache.free(req_id)
-        return req_id
+    requests = list(scaled(trace, block_tokens, output_cap))
+    out = []
+    for i, (request, keys) in enumerate(zip(requests, trace_keys(requests), strict=True)):
+        prompt = min(request.input_length, block_tokens * len(request.hash_ids))
+        if prompt < 1:
+            raise ValueError(f"request {i} has no prompt tokens (no hash_ids)")
+        out.append(ServedRequest(keys[: prompt // block_tokens], prompt,
+                                 request.output_length))
+    return out
 
 
-def check_fits(requests: Sequence[list[bytes]], gpu_blocks: int) -> None:
-    """``ValueError`` when some request has more blocks than the engine cache.
+def sequence_blocks(request: ServedRequest, block_tokens: int) -> int:
+    """Engine blocks a request holds at its end (prompt and output but the last
+    output token, whose KV is never computed)."""
+    return cdiv(request.prompt_tokens + request.output_tokens - 1, block_tokens)
 
-    vLLM could never schedule such a prompt.
-    """
-    longest = max(map(len, requests), default=0)
-    if longest > gpu_blocks:
+
+def check_fits(requests: Sequence[ServedRequest], gpu_blocks: int,
+               block_tokens: int = ENGINE_BLOCK_TOKENS) -> None:
+    """``ValueError`` when ``gpu_blocks`` (vLLM's ``num_gpu_blocks``, one of them
+    its null block) cannot hold the longest request: vLLM could never run it."""
+    if isinstance(gpu_blocks, bool) or not isinstance(gpu_blocks, int) or gpu_blocks < 2:
+        raise ValueError(f"gpu_blocks must be an int >= 2 (one is vLLM's null block), "
+                         f"got {gpu_blocks!r}")
+    longest = max((sequence_blocks(r, block_tokens) for r in requests), default=0)
+    if longest > gpu_blocks - 1:
         raise ValueError(
-            f"gpu_blocks={gpu_blocks} is smaller than the longest request "
-            f"({longest} blocks): the engine could not run it")
+            f"gpu_blocks={gpu_blocks} ({gpu_blocks - 1} usable) is smaller than the "
+            f"longest request ({longest} blocks): the engine could not run it")
 
 
-def _connector_calls(mgr: OffloadManager, keys: list[bytes], engine_hits: int,
-                     ctx: RequestContext) -> tuple[int, int]:
-    """kvtier's calls for one request started with ``engine_hits`` engine hits,
-    as vLLM's offloading connector makes them; return (kvtier hits, blocks offered)."""
-    queried = keys[engine_hits:]
-    hits = mgr.lookup(queried, ctx) if queried else 0
-    if hits:
-        loaded = queried[:hits]
-        mgr.prepare_load(loaded, ctx)
-        mgr.complete_load(loaded, ctx)
-    offer = keys[engine_hits + hits:] if hits else keys
-    if offer:
-        out = mgr.prepare_store(offer, ctx)
-        if out is not None and out.keys_to_store:
-            mgr.complete_store(out.keys_to_store, ctx)
-    return hits, len(offer)
+@dataclass(slots=True)
+class ConnectorCounts:
+    """What the connector counted: vLLM's external-prefix-cache metric (tokens)
+    and the blocks kvtier was asked about, hit and offered."""
+
+    query_tokens: int = 0
+    hit_tokens: int = 0
+    queried_blocks: int = 0
+    hit_blocks: int = 0
+    offered_blocks: int = 0
+    seconds: float = 0.0
+
+
+class KvtierConnector:
+    """vLLM's offloading connector (scheduler side) over an ``OffloadManager``
+    (the ``Connector`` calls; see the module doc for what each does).
+
+    Owns each request's context while the engine holds it or has asked about
+    it, the next block each will offer, the loads and stores issued in the
+    current step, and the counts. Only manager calls are timed.
+    """
+
+    def __init__(self, mgr: OffloadManager, requests: Sequence[ServedRequest],
+                 block_tokens: int, progress: ProgressCallback | None = None) -> None:
+        self.mgr = mgr
+        self.requests = requests
+        self.block_tokens = block_tokens
+        self.counts = ConnectorCounts()
+        self._progress = progress
+        self._pending_progress = 0
+        self._ctx: dict[int, RequestContext] = {}
+        self._next_store: dict[int, int] = {}
+        self._loads: list[tuple[list[bytes], RequestContext]] = []
+        self._stores: list[tuple[list[bytes], RequestContext]] = []
+
+    def _context(self, index: int) -> RequestContext:
+        ctx = self._ctx.get(index)
+        if ctx is None:
+            ctx = self._ctx[index] = RequestContext(f"req-{index}")
+            bt = self.block_tokens
+            ctx.set_positions(self.requests[index].keys, bt, bt)
+        return ctx
+
+    def get_num_new_matched(self, index: int, engine_hits: int) -> int:
+        """kvtier's leading hits among the full prompt blocks past the engine hit."""
+        queried = self.requests[index].keys[engine_hits:]
+        if not queried:
+            return 0
+        ctx = self._context(index)
+        start = time.perf_counter()
+        hits = self.mgr.lookup(queried, ctx)
+        self.counts.seconds += time.perf_counter() - start
+        return hits
+
+    def update_state_after_alloc(self, index: int, engine_hits: int, hits: int,
+                                 num_tokens: int, preempted: bool) -> None:
+        """Count the admission (unless resumed) and load the hits."""
+        counts, bt = self.counts, self.block_tokens
+        if not preempted:
+            counts.query_tokens += num_tokens - engine_hits * bt
+            counts.hit_tokens += hits * bt
+            counts.queried_blocks += max(0, len(self.requests[index].keys) - engine_hits)
+            counts.hit_blocks += hits
+        if not hits:
+            return
+        loaded = self.requests[index].keys[engine_hits:engine_hits + hits]
+        ctx = self._context(index)
+        start = time.perf_counter()
+        self.mgr.prepare_load(loaded, ctx)
+        counts.seconds += time.perf_counter() - start
+        self._loads.append((loaded, ctx))
+        self._next_store[index] = engine_hits + hits
+
+    def build_meta(self, scheduled: Sequence[tuple[int, int]],
+                   finished: Sequence[int]) -> None:
+        """Offer each request's newly computed prompt blocks (finished ones: what
+        is left of their prompt), then finish the ``finished`` requests."""
+        requests = self.requests
+        for index, end in [*scheduled, *((i, requests[i].prompt_tokens) for i in finished)]:
+            self._offer(index, end)
+        start = time.perf_counter()
+        for index in finished:
+            self._next_store.pop(index, None)
+            self.mgr.on_request_finished(self._context(index))
+            del self._ctx[index]
+        self.counts.seconds += time.perf_counter() - start
+        self._report(len(finished))
+
+    def _offer(self, index: int, end: int) -> None:
+        request = self.requests[index]
+        n = min(end, request.prompt_tokens) // self.block_tokens
+        first = self._next_store.get(index, 0)
+        if n <= first:
+            return
+        offer = request.keys[first:n]
+        ctx = self._context(index)
+        start = time.perf_counter()
+        out = self.mgr.prepare_store(offer, ctx)
+        self.counts.seconds += time.perf_counter() - start
+        self.counts.offered_blocks += len(offer)
+        if out is None:
+            return  # retried at the request's next step
+        self._next_store[index] = n
+        if out.keys_to_store:
+            self._stores.append((list(out.keys_to_store), ctx))
+
+    def step_end(self) -> None:
+        """Complete the loads and stores issued in this step."""
+        mgr = self.mgr
+        start = time.perf_counter()
+        for keys, ctx in self._loads:
+            mgr.complete_load(keys, ctx)
+        for keys, ctx in self._stores:
+            mgr.complete_store(keys, ctx)
+        self.counts.seconds += time.perf_counter() - start
+        self._loads.clear()
+        self._stores.clear()
+
+    def _report(self, finished: int) -> None:
+        if self._progress is None or not finished:
+            return
+        self._pending_progress += finished
+        if self._pending_progress >= PROGRESS_EVERY:
+            self._progress(self._pending_progress)
+            self._pending_progress = 0
+
+    def flush_progress(self) -> None:
+        """Report the finished requests not reported yet."""
+        if self._progress is not None and self._pending_progress:
+            self._progress(self._pending_progress)
+            self._pending_progress = 0
+
+
+class QueryRecorder:
+    """A ``Connector`` with nothing behind the engine: records, per admitted
+    request (resumed ones aside), the full blocks kvtier would be asked about.
+    Memory: those blocks' keys (the bound rows need them all)."""
+
+    def __init__(self, requests: Sequence[ServedRequest], block_tokens: int) -> None:
+        self.requests = requests
+        self.block_tokens = block_tokens
+        self.streams: list[list[bytes]] = []
+        self.query_tokens = 0
+
+    def get_num_new_matched(self, index: int, engine_hits: int) -> int:
+        """Nothing to load."""
+        return 0
+
+    def update_state_after_alloc(self, index: int, engine_hits: int, hits: int,
+                                 num_tokens: int, preempted: bool) -> None:
+        """Record the admitted request's query."""
+        if not preempted:
+            self.streams.append(self.requests[index].keys[engine_hits:])
+            self.query_tokens += num_tokens - engine_hits * self.block_tokens
+
+    def build_meta(self, scheduled: Sequence[tuple[int, int]],
+                   finished: Sequence[int]) -> None:
+        """No stores."""
+
+    def step_end(self) -> None:
+        """No transfers."""
+
+
+def run_engine(requests: Sequence[ServedRequest], connector: Connector, *, gpu_blocks: int,
+               concurrency: int = 1, batch_tokens: int | None = None,
+               block_tokens: int = ENGINE_BLOCK_TOKENS) -> EngineCounts:
+    """Serve ``requests`` through an engine of ``gpu_blocks`` blocks (vLLM's
+    ``num_gpu_blocks``) driving ``connector``: ``concurrency`` in flight, or,
+    with ``batch_tokens``, vLLM's scheduler with that budget per step over a
+    queue that never runs dry. ``ValueError`` for a request that cannot fit."""
+    check_fits(requests, gpu_blocks, block_tokens)
+    cache = GpuPrefixCache(gpu_blocks - 1)
+    if batch_tokens is None:
+        return FixedFront(cache, block_tokens, connector, concurrency).run(requests)
+    return SaturatedScheduler(cache, block_tokens, connector, batch_tokens).run(requests)
 
 
 def replay_behind_engine(
-    requests: Sequence[list[bytes]],
+    requests: Sequence[ServedRequest],
     capacity: int,
     policy: str = "lru",
     *,
     gpu_blocks: int,
     concurrency: int = 1,
+    batch_tokens: int | None = None,
+    block_tokens: int = ENGINE_BLOCK_TOKENS,
     store_threshold: int = 1,
     max_tracker_size: int = 64_000,
     block_bytes: int | None = None,
     progress: ProgressCallback | None = None,
 ) -> BehindEngineResult:
-    """Replay ``requests`` (see ``trace_keys``) through a fresh manager of
-    ``capacity`` blocks behind an engine cache of ``gpu_blocks`` blocks.
+    """Replay ``requests`` (``served_requests``) through a fresh manager of
+    ``capacity`` blocks behind an engine of ``gpu_blocks`` blocks (``run_engine``).
 
     Lease bounds as in ``replay``; only manager calls are timed. Raises
-    ``ValueError`` for a request longer than the engine cache, an unknown
-    policy or bad parameters.
+    ``ValueError`` for a request the engine cannot hold, an unknown policy or
+    bad parameters.
     """
-    check_fits(requests, gpu_blocks)
-    front = EngineFront(gpu_blocks, concurrency)
+    check_fits(requests, gpu_blocks, block_tokens)
     mgr = replay_manager(capacity, policy, store_threshold, max_tracker_size)
-    contexts: dict[str, RequestContext] = {}
-    hits = queried = offered = 0
-    clock = time.perf_counter
-    elapsed = 0.0
-    for keys, ctx in request_contexts(requests, progress):
-        engine_hits, finished = front.admit(ctx.req_id, keys)
-        start = clock()
-        for req_id in finished:
-            mgr.on_request_finished(contexts.pop(req_id))
-        kv_hits, n_offered = _connector_calls(mgr, keys, engine_hits, ctx)
-        elapsed += clock() - start
-        contexts[ctx.req_id] = ctx
-        hits += kv_hits
-        queried += len(keys) - engine_hits
-        offered += n_offered
-    start = clock()
-    for req_id in front.drain():
-        mgr.on_request_finished(contexts.pop(req_id))
-    elapsed += clock() - start
-    gpu = front.cache
-    base = ReplayResult.from_manager(mgr, requests, hits, elapsed, block_bytes, policy=policy,
-                                     driver="behind-engine", concurrency=concurrency)
+    connector = KvtierConnector(mgr, requests, block_tokens, progress)
+    engine = run_engine(requests, connector, gpu_blocks=gpu_blocks, concurrency=concurrency,
+                        batch_tokens=batch_tokens, block_tokens=block_tokens)
+    connector.flush_progress()
+    c = connector.counts
+    keys = [r.keys for r in requests]
+    base = ReplayResult.from_manager(
+        mgr, keys, c.hit_blocks, c.seconds, block_bytes, policy=policy,
+        driver="behind-engine", concurrency=concurrency if batch_tokens is None else 0,
+        preemptions=engine.preemptions)
     return BehindEngineResult(
-        **{**base.to_dict(), "hit_ratio": _ratio(hits, queried)},
-        **_engine_fields(gpu_blocks, gpu.hits, gpu.queries, hits, queried, offered),
+        **{**base.to_dict(), "hit_ratio": _ratio(c.hit_tokens, c.query_tokens)},
+        **_engine_fields(gpu_blocks, engine, c.hit_tokens, batch_tokens),
+        queried_blocks=c.queried_blocks, kvtier_offered_blocks=c.offered_blocks,
+        queried_tokens=c.query_tokens, hit_tokens=c.hit_tokens,
     )
 
 
 def engine_miss_streams(
-    requests: Sequence[list[bytes]], gpu_blocks: int, concurrency: int = 1
-) -> tuple[list[list[bytes]], int]:
-    """Each request's blocks past its engine hit (what kvtier is asked about)
-    and the engine hits in all, with no kvtier behind the engine."""
-    check_fits(requests, gpu_blocks)
-    front = EngineFront(gpu_blocks, concurrency)
-    streams = []
-    for i, keys in enumerate(requests):
-        engine_hits, _ = front.admit(f"req-{i}", keys)
-        streams.append(keys[engine_hits:])
-    return streams, front.cache.hits
+    requests: Sequence[ServedRequest], gpu_blocks: int, concurrency: int = 1,
+    batch_tokens: int | None = None, block_tokens: int = ENGINE_BLOCK_TOKENS,
+) -> tuple[list[list[bytes]], EngineCounts, int]:
+    """Each admitted request's full blocks past its engine hit (what kvtier is
+    asked about), the engine's counts and the tokens kvtier is queried for,
+    with nothing behind the engine."""
+    recorder = QueryRecorder(requests, block_tokens)
+    counts = run_engine(requests, recorder, gpu_blocks=gpu_blocks, concurrency=concurrency,
+                        batch_tokens=batch_tokens, block_tokens=block_tokens)
+    return recorder.streams, counts, recorder.query_tokens
 
 
 def behind_engine_bounds(
-    requests: Sequence[list[bytes]],
+    requests: Sequence[ServedRequest],
     capacities: Iterable[int],
     *,
     gpu_blocks: int,
     concurrency: int = 1,
+    batch_tokens: int | None = None,
+    block_tokens: int = ENGINE_BLOCK_TOKENS,
     opt: bool = True,
     infinite: bool = True,
     block_bytes: int | None = None,
@@ -243,31 +412,40 @@ def behind_engine_bounds(
     Block hits over those queries only: a cache behind the engine also sees
     offers of engine hits (requests without kvtier hits offer every block), which
     it could use to keep a block again, so these rows are the optimum of a
-    cache that sees only the queries, not a strict bound on kvtier.
+    cache that sees only the queries, not a strict bound on kvtier. With the
+    scheduler model the engine's timing depends a little on kvtier's hits
+    (loads take a step); these rows take the engine with nothing behind it.
     """
-    streams, gpu_hits = engine_miss_streams(requests, gpu_blocks, concurrency)
-    prompt = sum(map(len, requests))
+    streams, engine, query_tokens = engine_miss_streams(
+        requests, gpu_blocks, concurrency, batch_tokens, block_tokens)
     rows = bound_results(streams, capacities, opt=opt, infinite=infinite,
                          block_bytes=block_bytes)
     out = []
     for row in rows:
-        fields = {**row.to_dict(), "offered_blocks": prompt, "concurrency": concurrency}
-        fields.update(_engine_fields(gpu_blocks, gpu_hits, prompt, row.hit_blocks,
-                                     row.offered_blocks, 0))
-        out.append(BehindEngineResult(**fields))
+        hit_tokens = row.hit_blocks * block_tokens
+        fields = {**row.to_dict(), "offered_blocks": sum(len(r.keys) for r in requests),
+                  "concurrency": concurrency if batch_tokens is None else 0,
+                  "hit_ratio": _ratio(hit_tokens, query_tokens)}
+        fields.update(_engine_fields(gpu_blocks, engine, hit_tokens, batch_tokens))
+        out.append(BehindEngineResult(
+            **fields, queried_blocks=row.offered_blocks, queried_tokens=query_tokens,
+            hit_tokens=hit_tokens))
     return out
 
 
-def _engine_fields(gpu_blocks: int, gpu_hits: int, prompt: int, kv_hits: int,
-                   queried: int, offered: int) -> dict[str, Any]:
-    """The ``BehindEngineResult`` fields beyond ``ReplayResult``'s."""
+def _engine_fields(gpu_blocks: int, engine: EngineCounts, kv_hit_tokens: int,
+                   batch_tokens: int | None) -> dict[str, Any]:
+    """The engine's ``BehindEngineResult`` fields."""
     return {
         "gpu_blocks": gpu_blocks,
-        "gpu_hit_blocks": gpu_hits,
-        "gpu_hit_ratio": _ratio(gpu_hits, prompt),
-        "queried_blocks": queried,
-        "kvtier_offered_blocks": offered,
-        "combined_hit_ratio": _ratio(gpu_hits + kv_hits, prompt),
+        "gpu_hit_blocks": engine.hit_blocks,
+        "gpu_hit_ratio": _ratio(engine.hit_tokens, engine.query_tokens),
+        "combined_hit_ratio": _ratio(engine.hit_tokens + kv_hit_tokens, engine.query_tokens),
+        "prompt_tokens": engine.query_tokens,
+        "gpu_hit_tokens": engine.hit_tokens,
+        "batch_tokens": batch_tokens or 0,
+        "mean_running": engine.mean_running,
+        "max_running": engine.max_running,
     }
 
 
