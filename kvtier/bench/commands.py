@@ -62,6 +62,44 @@ def add_bench_parser(commands: Any) -> None:
     p.add_argument("--summarize", action="store_true",
                    help="only summarize OUT/runs.jsonl (no new runs)")
     p.set_defaults(func=cmd_bench_serve)
+    _add_faults(sub)
+
+
+def _add_faults(sub: Any) -> None:
+    """Register ``kvtier bench faults``."""
+    from kvtier.bench import faults
+
+    p = sub.add_parser("faults", help="tier faults injected into a real server under load",
+                       description=faults.__doc__.split("\n\n")[0] if faults.__doc__ else None)
+    p.add_argument("--out", type=Path, default=Path("bench-faults"), metavar="DIR")
+    p.add_argument("--model-dir", type=Path, default=None, metavar="DIR")
+    p.add_argument("--faults", type=_names(faults.FAULTS), default=faults.FAULTS,
+                   metavar="F[,F...]", help=f"default {','.join(faults.FAULTS)}")
+    p.add_argument("--requests", type=positive_int, default=800, metavar="N")
+    p.add_argument("--speedup", type=float, default=10.0, metavar="X",
+                   help="arrivals X times faster than the trace (default 10)")
+    p.set_defaults(func=cmd_bench_faults)
+
+
+def cmd_bench_faults(args: argparse.Namespace) -> int:
+    """The reference run, then every fault; faults.txt and faults.jsonl in OUT."""
+    from kvtier.bench import faults
+    from kvtier.cli import CommandError
+    from kvtier.demo.chat import default_model_dir
+    from kvtier.demo.tiny_model import build_tiny_llama
+
+    if args.speedup <= 0:
+        raise CommandError(f"--speedup must be > 0, got {args.speedup}")
+    s = faults.FaultSettings(model=build_tiny_llama(args.model_dir or default_model_dir()),
+                             out=args.out, faults=args.faults, requests=args.requests,
+                             speedup=args.speedup)
+    s.out.mkdir(parents=True, exist_ok=True)
+    (s.out / "faults.jsonl").unlink(missing_ok=True)
+    results = faults.run_all(s, say=lambda m: print(m, file=sys.stderr, flush=True))
+    lines = faults.table(results)
+    (s.out / "faults.txt").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
 
 
 def settings_from(args: argparse.Namespace) -> serving.BenchSettings:

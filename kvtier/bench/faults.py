@@ -1,0 +1,331 @@
+"""``kvtier bench faults``: tier faults injected while a real server is under load.
+
+Each run starts a fresh ``kvtier serve`` on the tiny model (float32, so that
+greedy answers do not depend on which tokens were cached) with a disk tier and
+a Redis tier (a local ``redis-server``), drives it with vLLM's own client over
+the scaled bundled trace (``kvtier.bench.traffic``, paced ``speedup`` times
+faster than the trace), injects one fault ``fault_at_s`` after the load
+started, lifts it ``fault_for_s`` later, and lets the load finish:
+
+* ``none``: no fault (the reference run);
+* ``redis-kill``: ``redis-server`` SIGKILLed, restarted empty on the same port;
+* ``redis-stop``: ``redis-server`` stopped (SIGSTOP) for ``fault_for_s``;
+* ``disk-removed``: the disk tier's directory deleted;
+* ``disk-full``: the disk tier's file system filled (a ballast file on a small
+  tmpfs; needs root to mount it, else the fault is reported as skipped);
+* ``disk-slow``: every disk read and write waits ``slow_s`` (``SlowDiskSpec``).
+
+Reported per fault: requests completed and failed, p99 and max TTFT against the
+reference run's p99, the bound a request may lose to a fault (the documented
+timeouts: ``PROBE_TIMEOUT_S`` + ``promotion_timeout_s``), prompt tokens served
+by kvtier (lost against the reference), the errors the tiers counted, and
+whether a fixed probe prompt's greedy answer stayed the same.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvtier.bench import prom
+from kvtier.bench.server import ServerProcess
+from kvtier.bench.serving import (
+    BLOCK_TOKENS,
+    SERVER_ENV,
+    block_bytes,
+    engine_flags,
+    kvtier_serve_argv,
+)
+from kvtier.launch import vllm_command
+from kvtier.tiers.cascade import DEFAULT_PROMOTION_TIMEOUT_S
+from kvtier.tiers.probes import DEFAULT_PROBE_TIMEOUT_S
+
+CONTROL_ENV = "KVTIER_FAULT_CONTROL"
+"""Names the file holding the slow disk's delay (``kvtier.bench.fault_spec``)."""
+FAULTS = ("none", "redis-kill", "redis-stop", "disk-removed", "disk-full", "disk-slow")
+TIMEOUT_BOUND_S = DEFAULT_PROBE_TIMEOUT_S + DEFAULT_PROMOTION_TIMEOUT_S
+"""The most a tier fault may add to one request's TTFT: a Redis existence check
+unanswered for ``probe_timeout_s`` turns into "not there", and a promotion
+unfinished after ``promotion_timeout_s`` into a miss (the block is computed)."""
+PROBE_PROMPT_TOKENS = 300
+TMPFS_BYTES = 96 << 20
+
+
+class FaultSkipped(RuntimeError):
+    """The fault cannot be injected here (e.g. mounting a tmpfs needs root)."""
+
+
+@dataclass(frozen=True)
+class FaultSettings:
+    """What ``kvtier bench faults`` runs (its flags)."""
+
+    model: Path
+    out: Path
+    faults: tuple[str, ...] = FAULTS
+    requests: int = 800
+    speedup: float = 10.0
+    cpu_blocks: int = 1000
+    gpu_blocks: int = 500
+    disk_blocks: int = 4000
+    fault_at_s: float = 8.0
+    fault_for_s: float = 5.0
+    slow_s: float = 0.5
+    seed: int = 0
+
+
+@dataclass
+class FaultResult:
+    """One run under one fault."""
+
+    fault: str
+    completed: int = 0
+    failed: int = 0
+    ttft_p99_ms: float = 0.0
+    ttft_max_ms: float = 0.0
+    kvtier_tokens: float = 0.0
+    tier_errors: dict[str, float] = field(default_factory=dict)
+    counters: dict[str, float] = field(default_factory=dict)
+    probe_answer: str = ""
+    probe_same: bool = True
+    skipped: str = ""
+
+
+# -- the environment of one run ------------------------------------------------------
+
+
+@dataclass
+class Stage:
+    """What a fault acts on: the Redis server, the disk directory, the control file."""
+
+    redis: Any
+    disk: Path
+    control: Path
+    mount: Path | None = None
+    ballast: Path | None = None
+
+
+@contextlib.contextmanager
+def stage(s: FaultSettings, fault: str, work: Path) -> Iterator[Stage]:
+    """A fresh Redis server and disk directory (on a small tmpfs for ``disk-full``)."""
+    from kvtier.tiers.redis_server import RedisServer
+
+    with RedisServer(config={"maxmemory": "1gb", "maxmemory-policy": "allkeys-lru"}) as redis, \
+            tempfile.TemporaryDirectory(prefix="kvtier-fault-", dir=work) as tmp:
+        root = Path(tmp)
+        st = Stage(redis=redis, disk=root / "disk", control=root / "slow")
+        if fault == "disk-full":
+            st.mount = root / "tmpfs"
+            st.mount.mkdir()
+            _mount_tmpfs(st.mount)
+            st.disk = st.mount / "disk"
+        try:
+            yield st
+        finally:
+            if st.mount is not None:
+                subprocess.run(["umount", "-l", str(st.mount)], check=False,
+                               capture_output=True)
+
+
+def _mount_tmpfs(path: Path) -> None:
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={TMPFS_BYTES},mode=0700",
+                           "tmpfs", str(path)], capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise FaultSkipped(f"cannot mount a tmpfs ({done.stderr.strip() or 'needs root'})")
+
+
+def start_fault(fault: str, st: Stage, s: FaultSettings) -> None:
+    """Inject ``fault``."""
+    if fault == "redis-kill":
+        st.redis.stop(kill=True)
+    elif fault == "redis-stop":
+        st.redis.pause()
+    elif fault == "disk-removed":
+        shutil.rmtree(st.disk, ignore_errors=True)
+    elif fault == "disk-full":
+        st.ballast = (st.mount or st.disk) / "ballast"
+        _fill(st.ballast)
+    elif fault == "disk-slow":
+        st.control.write_text(str(s.slow_s))
+    elif fault != "none":
+        raise ValueError(f"unknown fault {fault!r} (choose from {', '.join(FAULTS)})")
+
+
+def stop_fault(fault: str, st: Stage) -> None:
+    """Lift ``fault`` (a removed directory stays removed: the tier re-creates it)."""
+    if fault == "redis-kill":
+        st.redis.start()
+    elif fault == "redis-stop":
+        st.redis.resume()
+    elif fault == "disk-full" and st.ballast is not None:
+        st.ballast.unlink(missing_ok=True)
+    elif fault == "disk-slow":
+        st.control.write_text("")
+
+
+def _fill(path: Path) -> None:
+    """Write zeros to ``path`` until its file system is full."""
+    chunk = b"\0" * (1 << 20)
+    with open(path, "wb") as f:
+        try:
+            while True:
+                f.write(chunk)
+                f.flush()
+        except OSError:
+            pass
+
+
+# -- one run -------------------------------------------------------------------------
+
+
+def server_argv(s: FaultSettings, st: Stage, port: int) -> list[str]:
+    bb = block_bytes(dtype_bytes=4)
+    flags = ["--policy", "default", "--disk-path", str(st.disk),
+             "--disk-bytes", str(s.disk_blocks * bb), "--redis-url", st.redis.url,
+             "--kvtier", "spec_name=SlowDiskSpec",
+             "--kvtier", "spec_module_path=kvtier.bench.fault_spec"]
+    return kvtier_serve_argv(s.model, s.cpu_blocks * bb, flags,
+                             engine_flags(s.gpu_blocks, port, s.seed, dtype="float32"))
+
+
+def client_argv(s: FaultSettings, trace: Path, url: str, result: Path) -> list[str]:
+    return vllm_command([
+        "bench", "serve", "--backend", "vllm", "--base-url", url,
+        "--endpoint", "/v1/completions", "--model", str(s.model), "--tokenizer", str(s.model),
+        "--dataset-name", "timed_trace", "--dataset-path", str(trace),
+        "--num-prompts", str(s.requests), "--timed-trace-chunk-hash-size", str(BLOCK_TOKENS),
+        "--timed-trace-sec-multiplier", f"{0.001 / s.speedup:.10f}",
+        "--percentile-metrics", "ttft", "--metric-percentiles", "99",
+        "--save-result", "--save-detailed", "--result-dir", str(result.parent),
+        "--result-filename", result.name, "--disable-tqdm", "--seed", str(s.seed)])
+
+
+def probe(url: str, model: Path) -> str:
+    """The greedy answer to a fixed prompt no trace request shares."""
+    import openai
+
+    from kvtier.demo.tiny_model import token_prompt
+
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0,
+                           timeout=60)
+    out = client.completions.create(model=str(model), prompt=token_prompt(
+        PROBE_PROMPT_TOKENS, start=401), max_tokens=16, temperature=0.0)
+    return str(out.choices[0].text)
+
+
+def run_fault(s: FaultSettings, fault: str, trace: Path, work: Path) -> FaultResult:
+    """One server, one load, one fault; see the module doc."""
+    from kvtier.tiers.redis_server import free_port
+
+    try:
+        with stage(s, fault, work) as st:
+            port = free_port()
+            env = {**os.environ, **SERVER_ENV, CONTROL_ENV: str(st.control)}
+            server = ServerProcess(server_argv(s, st, port), port,
+                                   work / "logs" / f"{fault}.server.log", env=env)
+            with server:
+                return _load_with_fault(s, fault, st, server, trace, work)
+    except FaultSkipped as exc:
+        return FaultResult(fault=fault, skipped=str(exc))
+
+
+def _load_with_fault(s: FaultSettings, fault: str, st: Stage, server: ServerProcess,
+                     trace: Path, work: Path) -> FaultResult:
+    before = probe(server.url, s.model)
+    result_file = work / "results" / f"{fault}.json"
+    with open(work / "logs" / f"{fault}.client.log", "wb") as log:
+        client = subprocess.Popen(client_argv(s, trace, server.url, result_file),
+                                  stdout=log, stderr=subprocess.STDOUT,
+                                  env={**os.environ, "PYTHONHASHSEED": "0"})
+        try:
+            time.sleep(s.fault_at_s)
+            start_fault(fault, st, s)
+            time.sleep(s.fault_for_s)
+            stop_fault(fault, st)
+            client.wait(timeout=1800)
+        finally:
+            if client.poll() is None:
+                client.send_signal(signal.SIGKILL)
+                client.wait()
+    after = probe(server.url, s.model)
+    samples = prom.scrape(server.url)
+    detail = json.loads(result_file.read_text())
+    return _result(fault, detail, samples, after, before)
+
+
+def _result(fault: str, client: dict[str, Any], samples: prom.Samples, answer: str,
+            before: str) -> FaultResult:
+    ttfts = [t for t in client.get("ttfts", []) if t]
+    cached = prom.by_label(samples, "vllm:prompt_tokens_cached_by_source_total", "source")
+    counters = {name: prom.value(samples, f"vllm:kvtier_{name}_total") for name in (
+        "promotions", "promotion_failures", "promotion_timeouts", "dropped_writes",
+        "write_failures", "cascade_writes")}
+    return FaultResult(
+        fault=fault, completed=int(client.get("completed", 0)),
+        failed=int(client.get("failed", 0)),
+        ttft_p99_ms=float(client.get("p99_ttft_ms", 0.0)),
+        ttft_max_ms=1000.0 * max(ttfts) if ttfts else 0.0,
+        kvtier_tokens=sum(v for k, v in cached.items() if k != "device"),
+        tier_errors=dict(prom.by_label(samples, "vllm:kvtier_tier_errors_total", "tier")),
+        counters=counters, probe_answer=answer, probe_same=answer == before)
+
+
+# -- all runs ------------------------------------------------------------------------
+
+
+def run_all(s: FaultSettings, say: Any = print) -> list[FaultResult]:
+    """The reference run first, then each fault; the probe compared across runs."""
+    from kvtier.bench import traffic
+
+    work = s.out
+    for sub in ("logs", "results"):
+        (work / sub).mkdir(parents=True, exist_ok=True)
+    trace = work / "trace.jsonl"
+    traffic.write_scaled(None, trace, requests=s.requests, tokens_per_block=BLOCK_TOKENS)
+    faults = ["none", *(f for f in s.faults if f != "none")]
+    results: list[FaultResult] = []
+    for fault in faults:
+        say(f"kvtier bench faults: {fault} ...")
+        r = run_fault(s, fault, trace, work)
+        if results and not r.skipped:
+            r.probe_same = r.probe_same and r.probe_answer == results[0].probe_answer
+        results.append(r)
+        with (work / "faults.jsonl").open("a") as f:
+            f.write(json.dumps(asdict(r)) + "\n")
+    return results
+
+
+HEADER = ("fault", "done", "failed", "p99 TTFT", "vs clean p99", "max TTFT", "max - clean p99",
+          "kvtier tokens", "lost", "tier errors", "probe same")
+
+
+def table(results: list[FaultResult]) -> list[str]:
+    """The report, the reference run first."""
+    clean = results[0]
+    lines = [f"{HEADER[0]:<13} {HEADER[1]:>5} {HEADER[2]:>6} {HEADER[3]:>9} {HEADER[4]:>12} "
+             f"{HEADER[5]:>9} {HEADER[6]:>15} {HEADER[7]:>13} {HEADER[8]:>6} "
+             f"{HEADER[9]:>18} {HEADER[10]:>10}"]
+    for r in results:
+        if r.skipped:
+            lines.append(f"{r.fault:<13} skipped: {r.skipped}")
+            continue
+        over = (r.ttft_max_ms - clean.ttft_p99_ms) / 1000
+        lost = 1 - r.kvtier_tokens / clean.kvtier_tokens if clean.kvtier_tokens else 0.0
+        errors = ",".join(f"{k}={v:.0f}" for k, v in sorted(r.tier_errors.items())) or "0"
+        ratio = r.ttft_p99_ms / clean.ttft_p99_ms if clean.ttft_p99_ms else 0.0
+        lines.append(f"{r.fault:<13} {r.completed:>5} {r.failed:>6} {r.ttft_p99_ms:>7.0f}ms "
+                     f"{ratio:>12.2f} {r.ttft_max_ms:>7.0f}ms {over:>+14.2f}s "
+                     f"{r.kvtier_tokens:>13.0f} {lost:>6.0%} {errors:>18} "
+                     f"{'yes' if r.probe_same else 'NO':>10}")
+    lines.append(f"bound on max - clean p99 (probe_timeout_s + promotion_timeout_s): "
+                 f"{TIMEOUT_BOUND_S:.1f} s")
+    return lines
