@@ -19,6 +19,15 @@ Kinds (``KINDS``):
   a task, then many steps that each append a small tool call and result.
 * ``scan`` -- ``chat`` traffic mixed with long one-off prompts (no reuse at
   all), the pattern that flushes a recency-only cache.
+* ``loop`` -- a corpus of documents larger than the caches read again and
+  again in the same order (a nightly batch over a knowledge base): LRU keeps
+  nothing, OPT keeps a fraction.
+* ``phase`` -- the traffic changes kind every quarter of the trace (chat,
+  rag, loop, agent), each phase with fresh content: the best policy changes
+  mid-trace.
+* ``tenants`` -- a multi-tenant mixture: chat, rag, agent and shared tenants
+  of different rates interleaved by arrival time, no content shared across
+  tenants.
 
 ``generate(kind, seed, requests)`` is deterministic in its arguments.
 """
@@ -202,12 +211,61 @@ def _scan(b: _Builder, n: int) -> None:
     _chat(b, n, scan_share=0.25)
 
 
+LOOP_DOCUMENTS = 400
+LOOP_DOC_BLOCKS = (12, 28)
+"""The loop corpus: 400 documents of 12-28 blocks, about 8,000 blocks in all."""
+
+
+def _loop(b: _Builder, n: int) -> None:
+    """A system prompt, then the corpus's documents in a fixed cyclic order, each
+    with a one-off question."""
+    rng, prefixes = b.rng, b.prefixes
+    system = prefixes.fresh(1)
+    docs = [prefixes.fresh(rng.randint(*LOOP_DOC_BLOCKS)) for _ in range(LOOP_DOCUMENTS)]
+    i = 0
+    while len(b.requests) < n:
+        b.add(system + docs[i % len(docs)] + prefixes.fresh(1), rng.randint(20, 200))
+        i += 1
+
+
+PHASES = ("chat", "rag", "loop", "agent")
+
+
+def _phase(b: _Builder, n: int) -> None:
+    """Each quarter of the trace another kind of traffic (``PHASES``)."""
+    for k, kind in enumerate(PHASES, 1):
+        KINDS[kind](b, n * k // len(PHASES))
+
+
+TENANTS = (("chat", 0.4), ("rag", 0.3), ("agent", 0.2), ("shared", 0.1))
+"""Tenants of the ``tenants`` mixture: their traffic and share of the requests."""
+TENANT_ID_STRIDE = 1 << 40
+"""Hash ids of tenant t start at t * TENANT_ID_STRIDE: no block is shared."""
+
+
+def _tenants(b: _Builder, n: int) -> None:
+    """Each tenant's own trace at its share of the arrival rate, merged by time."""
+    merged: list[TraceRequest] = []
+    for t, (kind, share) in enumerate(TENANTS):
+        sub = _Builder(random.Random(f"{b.rng.random()}-{kind}"))
+        KINDS[kind](sub, max(1, round(n * share)))
+        for r in sub.requests:
+            merged.append(TraceRequest(int(r.timestamp / share), r.input_length,
+                                       r.output_length,
+                                       tuple(h + t * TENANT_ID_STRIDE for h in r.hash_ids)))
+    merged.sort(key=lambda r: r.timestamp)
+    b.requests.extend(merged[: n - len(b.requests)])
+
+
 KINDS: dict[str, Callable[[_Builder, int], None]] = {
     "chat": _chat,
     "shared": _shared,
     "rag": _rag,
     "agent": _agent,
     "scan": _scan,
+    "loop": _loop,
+    "phase": _phase,
+    "tenants": _tenants,
 }
 """Workload generators by name."""
 
