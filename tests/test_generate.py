@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -126,5 +127,5 @@ def test_tenants_share_nothing_and_interleave() -> None:
     assert all(counts[t] > 0 for t in counts)
     assert counts[0] > counts[3]  # chat's share is four times shared's
     assert all(len({h // TENANT_ID_STRIDE for h in r.hash_ids}) == 1 for r in reqs)
-    switches = sum(a != b for a, b in zip(owner, owner[1:], strict=False))
+    switches = sum(a != b for a, b in itertools.pairwise(owner))
     assert switches > 500  # interleaved by arrival time, not one tenant after another
