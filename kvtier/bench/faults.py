@@ -4,8 +4,9 @@ Each run starts a fresh ``kvtier serve`` on the tiny model (float32, so that
 greedy answers do not depend on which tokens were cached) with a disk tier and
 a Redis tier (a local ``redis-server``), drives it with vLLM's own client over
 the scaled bundled trace (``kvtier.bench.traffic``, paced ``speedup`` times
-faster than the trace), injects one fault ``fault_at_s`` after the load
-started, lifts it ``fault_for_s`` later, and lets the load finish:
+faster than the trace), injects one fault ``fault_at_s`` after the first
+request of the load reached the server, lifts it ``fault_for_s`` later, and
+lets the load finish:
 
 * ``none``: no fault (the reference run);
 * ``redis-kill``: ``redis-server`` SIGKILLed, restarted empty on the same port;
@@ -77,7 +78,7 @@ class FaultSettings:
     cpu_blocks: int = 1000
     gpu_blocks: int = 500
     disk_blocks: int = 4000
-    fault_at_s: float = 8.0
+    fault_at_s: float = 5.0
     fault_for_s: float = 5.0
     slow_s: float = 0.5
     seed: int = 0
@@ -247,6 +248,7 @@ def _load_with_fault(s: FaultSettings, fault: str, st: Stage, server: ServerProc
                                   stdout=log, stderr=subprocess.STDOUT,
                                   env={**os.environ, "PYTHONHASHSEED": "0"})
         try:
+            _wait_for_load(server.url, client)
             time.sleep(s.fault_at_s)
             start_fault(fault, st, s)
             time.sleep(s.fault_for_s)
@@ -260,6 +262,19 @@ def _load_with_fault(s: FaultSettings, fault: str, st: Stage, server: ServerProc
     samples = prom.scrape(server.url)
     detail = json.loads(result_file.read_text())
     return _result(fault, detail, samples, after, before)
+
+
+def _wait_for_load(url: str, client: subprocess.Popen[bytes], timeout_s: float = 300.0) -> None:
+    """Return once the client's first trace request reached the server (the
+    client takes a while to start: the fault must hit the load, not the lull)."""
+    seen = prom.value(prom.scrape(url), "vllm:request_success_total")
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and client.poll() is None:
+        samples = prom.scrape(url)
+        if (prom.value(samples, "vllm:num_requests_running") > 0
+                or prom.value(samples, "vllm:request_success_total") > seen):
+            return
+        time.sleep(0.2)
 
 
 def _result(fault: str, client: dict[str, Any], samples: prom.Samples, answer: str,
@@ -304,16 +319,15 @@ def run_all(s: FaultSettings, say: Any = print) -> list[FaultResult]:
     return results
 
 
-HEADER = ("fault", "done", "failed", "p99 TTFT", "vs clean p99", "max TTFT", "max - clean p99",
-          "kvtier tokens", "lost", "tier errors", "probe same")
+HEADER = ("fault", "done", "failed", "p99 TTFT", "/clean", "max-clean p99", "kvtier tok",
+          "lost", "tier errors", "write fail", "promo fail", "probe same")
+_ROW = "{:<13} {:>5} {:>6} {:>9} {:>6} {:>13} {:>10} {:>5} {:>16} {:>10} {:>10} {:>10}"
 
 
 def table(results: list[FaultResult]) -> list[str]:
     """The report, the reference run first."""
     clean = results[0]
-    lines = [f"{HEADER[0]:<13} {HEADER[1]:>5} {HEADER[2]:>6} {HEADER[3]:>9} {HEADER[4]:>12} "
-             f"{HEADER[5]:>9} {HEADER[6]:>15} {HEADER[7]:>13} {HEADER[8]:>6} "
-             f"{HEADER[9]:>18} {HEADER[10]:>10}"]
+    lines = [_ROW.format(*HEADER)]
     for r in results:
         if r.skipped:
             lines.append(f"{r.fault:<13} skipped: {r.skipped}")
@@ -322,10 +336,13 @@ def table(results: list[FaultResult]) -> list[str]:
         lost = 1 - r.kvtier_tokens / clean.kvtier_tokens if clean.kvtier_tokens else 0.0
         errors = ",".join(f"{k}={v:.0f}" for k, v in sorted(r.tier_errors.items())) or "0"
         ratio = r.ttft_p99_ms / clean.ttft_p99_ms if clean.ttft_p99_ms else 0.0
-        lines.append(f"{r.fault:<13} {r.completed:>5} {r.failed:>6} {r.ttft_p99_ms:>7.0f}ms "
-                     f"{ratio:>12.2f} {r.ttft_max_ms:>7.0f}ms {over:>+14.2f}s "
-                     f"{r.kvtier_tokens:>13.0f} {lost:>6.0%} {errors:>18} "
-                     f"{'yes' if r.probe_same else 'NO':>10}")
+        c = r.counters
+        promo = c.get("promotion_failures", 0) + c.get("promotion_timeouts", 0)
+        lines.append(_ROW.format(
+            r.fault, r.completed, r.failed, f"{r.ttft_p99_ms:.0f}ms", f"{ratio:.2f}",
+            f"{over:+.2f}s", f"{r.kvtier_tokens:.0f}", f"{lost:.0%}", errors,
+            f"{c.get('write_failures', 0) + c.get('dropped_writes', 0):.0f}", f"{promo:.0f}",
+            "yes" if r.probe_same else "NO"))
     lines.append(f"bound on max - clean p99 (probe_timeout_s + promotion_timeout_s): "
                  f"{TIMEOUT_BOUND_S:.1f} s")
     return lines
