@@ -26,13 +26,14 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, TextIO
+from typing import TYPE_CHECKING, Any
 
 from kvtier import __version__
 from kvtier.argtypes import positive_int
 from kvtier.demo import chat as demo_chat
-from kvtier.errors import ProtocolError
+from kvtier.errors import PROG, CommandError, ProtocolError
 from kvtier.policies import policy_class
+from kvtier.progress import Progress, make_progress
 from kvtier.replay.driver import BOUNDS, ReplayResult, bound_results, replay, trace_keys
 from kvtier.replay.engine import EngineConfig, replay_engine
 from kvtier.replay.generate import KINDS, generate, write_trace
@@ -41,13 +42,8 @@ from kvtier.replay.trace import BUNDLED_TRACE, TraceFormatError, TraceRequest, l
 if TYPE_CHECKING:
     from kvtier.replay.engine_schedule import ServedRequest
 
-PROG = "kvtier"
 EXIT_USAGE = 2
 """Exit status for bad input, the same as argparse's."""
-
-
-class CommandError(Exception):
-    """Bad input found after argument parsing; printed as ``kvtier: error: ...``."""
 
 
 # -- argument types ------------------------------------------------------------
@@ -256,73 +252,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise CommandError(str(exc)) from None
 
 
-# -- progress and output ---------------------------------------------------------
-
-
-class Progress(Protocol):
-    """What the replay command needs of a progress display."""
-
-    def update(self, n: int) -> None: ...
-    def describe(self, text: str) -> None: ...
-    def write(self, line: str) -> None: ...
-    def close(self) -> None: ...
-
-
-class NoProgress:
-    """No bar: lines go straight to stdout."""
-
-    def update(self, n: int) -> None:
-        """Ignore progress."""
-
-    def describe(self, text: str) -> None:
-        """Ignore descriptions."""
-
-    def write(self, line: str) -> None:
-        """Print ``line`` to stdout now."""
-        print(line, flush=True)
-
-    def close(self) -> None:
-        """Nothing to close."""
-
-
-class TqdmProgress:
-    """A tqdm bar on ``stream`` (stderr); lines go to stdout without breaking the bar."""
-
-    def __init__(self, total: int, stream: TextIO, unit: str = "req") -> None:
-        from tqdm import tqdm
-
-        self._tqdm = tqdm
-        self._bar = tqdm(total=total, file=stream, unit=unit, leave=False)
-
-    def update(self, n: int) -> None:
-        """Advance by ``n`` requests."""
-        self._bar.update(n)
-
-    def describe(self, text: str) -> None:
-        """Show ``text`` before the bar."""
-        self._bar.set_description_str(text)
-
-    def write(self, line: str) -> None:
-        """Print ``line`` to stdout above the bar."""
-        self._tqdm.write(line, file=sys.stdout)
-        sys.stdout.flush()
-
-    def close(self) -> None:
-        """Remove the bar."""
-        self._bar.close()
-
-
-def make_progress(total: int, enabled: bool, stream: TextIO | None = None,
-                  unit: str = "req") -> Progress:
-    """A tqdm bar (counting ``unit``) when ``enabled``, ``stream`` (stderr) is a TTY
-    and tqdm is installed."""
-    stream = sys.stderr if stream is None else stream
-    if enabled and stream.isatty():
-        try:
-            return TqdmProgress(total, stream, unit)
-        except ImportError:
-            pass
-    return NoProgress()
+# -- output ----------------------------------------------------------------------
 
 
 TABLE_COLUMNS = ("policy", "capacity", "threshold", "hit ratio", "stores", "evictions", "us/key")

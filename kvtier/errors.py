@@ -24,3 +24,12 @@ class MissingBlocksError(KVTierError, KeyError):
 
 class ProtocolError(KVTierError, ValueError):
     """A call that breaks the manager's protocol (complete without prepare...)."""
+
+
+PROG = "kvtier"
+"""The command line's name, as its messages start (``kvtier: error: ...``)."""
+
+
+class CommandError(KVTierError):
+    """Bad command-line input found after argument parsing; printed as
+    ``kvtier: error: ...`` with exit status 2."""

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 import kvtier
-from kvtier.cli import NoProgress, TqdmProgress, main, make_progress
+from kvtier.cli import main
+from kvtier.progress import NoProgress, TqdmProgress, make_progress
 
 ROOT = Path(__file__).resolve().parents[1]
 LINES = [

@@ -10,6 +10,8 @@ from typing import Any
 
 from kvtier.argtypes import positive_int
 from kvtier.bench import serving
+from kvtier.errors import CommandError
+from kvtier.progress import make_progress
 
 
 def _names(allowed: tuple[str, ...]) -> Any:
@@ -84,9 +86,7 @@ def _add_faults(sub: Any) -> None:
 def cmd_bench_faults(args: argparse.Namespace) -> int:
     """The reference run, then every fault; faults.txt and faults.jsonl in OUT."""
     from kvtier.bench import faults
-    from kvtier.cli import CommandError
-    from kvtier.demo.chat import default_model_dir
-    from kvtier.demo.tiny_model import build_tiny_llama
+    from kvtier.demo.tiny_model import build_tiny_llama, default_model_dir
 
     if args.speedup <= 0:
         raise CommandError(f"--speedup must be > 0, got {args.speedup}")
@@ -103,8 +103,7 @@ def cmd_bench_faults(args: argparse.Namespace) -> int:
 
 
 def settings_from(args: argparse.Namespace) -> serving.BenchSettings:
-    from kvtier.demo.chat import default_model_dir
-    from kvtier.demo.tiny_model import build_tiny_llama
+    from kvtier.demo.tiny_model import build_tiny_llama, default_model_dir
 
     if args.speedup <= 0:
         raise ValueError(f"--speedup must be > 0, got {args.speedup}")
@@ -120,7 +119,6 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     """Run (or resume) the plan, then write summary.json, summary.txt and plot.png."""
     from dataclasses import asdict
 
-    from kvtier.cli import CommandError, make_progress
 
     try:
         s = settings_from(args)

@@ -18,16 +18,16 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvtier.argtypes import positive_int
 from kvtier.demo import engine as E
-from kvtier.demo.tiny_model import build_tiny_llama, is_built, token_prompt
+from kvtier.demo.tiny_model import build_tiny_llama, default_model_dir, is_built, token_prompt
+from kvtier.demo.workload import DemoError, Workload
 
 if TYPE_CHECKING:
     from vllm import LLM
@@ -35,50 +35,8 @@ if TYPE_CHECKING:
 SETTLE_S = 0.05
 """Pause before each measured request: back-to-back requests on a busy CPU give
 noisier TTFTs (vLLM's CPU backend runs OpenMP threads bound to cores)."""
-MAX_POSITIONS = 4096
-"""The tiny model's ``max_position_embeddings``."""
 DEFAULT_CPU_BYTES = 64 << 20
 """kvtier's CPU tier in the demo: 2048 slots of the tiny model's 32 KiB blocks."""
-
-
-class DemoError(Exception):
-    """Options the demo cannot run with; printed as ``kvtier: error: ...``."""
-
-
-@dataclass(frozen=True)
-class Workload:
-    """Shape of the chat workload; every token id is deterministic."""
-
-    conversations: int = 4
-    turns: int = 4
-    system_tokens: int = 512
-    user_tokens: int = 128
-    reply_tokens: int = 32
-    repeats: int = 5
-    """Passes over the workload (the first generates the replies, the others
-    replay its prompts with one output token); TTFT is their best and median."""
-
-    def system_prompt(self) -> list[int]:
-        """The system prompt all conversations start with."""
-        return token_prompt(self.system_tokens, start=11)
-
-    def user_message(self, conversation: int, turn: int) -> list[int]:
-        """User message ``turn`` of ``conversation`` (distinct for each pair)."""
-        return token_prompt(self.user_tokens, start=1000 + 131 * conversation + 17 * turn)
-
-    def check(self) -> None:
-        """Raise ``DemoError`` when the longest sequence does not fit the tiny model."""
-        longest = self.max_prompt_tokens() + self.reply_tokens
-        if longest > MAX_POSITIONS:
-            raise DemoError(
-                f"the last turn needs {longest} tokens but the tiny model takes at most "
-                f"{MAX_POSITIONS}: use fewer turns or shorter messages"
-            )
-
-    def max_prompt_tokens(self) -> int:
-        """Prompt length of the last turn."""
-        per_turn = self.user_tokens + self.reply_tokens
-        return self.system_tokens + self.turns * per_turn - self.reply_tokens
 
 
 @dataclass(frozen=True)
@@ -104,17 +62,6 @@ class RunResult:
 
 
 # -- running ---------------------------------------------------------------------
-
-
-def default_model_dir() -> Path:
-    """``$XDG_CACHE_HOME/kvtier/tiny-llama`` (``~/.cache``), or a temp dir if unwritable."""
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    target = base / "kvtier" / "tiny-llama"
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-    except OSError:
-        return Path(tempfile.gettempdir()) / "kvtier-tiny-llama"
-    return target
 
 
 def _reset_gpu_cache(llm: LLM) -> None:
@@ -348,7 +295,9 @@ def run(args: argparse.Namespace) -> int:
         say(f"building the tiny model in {model_dir} ...")
     model = build_tiny_llama(model_dir)
     if args.disk is not None:
-        return run_tiered(args, model, w, say)
+        from kvtier.demo import tiered
+
+        return tiered.run_from_args(args, model, w, say)
     started = time.perf_counter()
     say("running the chat workload without kvtier ...")
     without = run_engine(model, w, None)
@@ -358,26 +307,6 @@ def run(args: argparse.Namespace) -> int:
     summary = summarize(rows)
     _print_report(args, w, rows, summary, with_kv.stats, time.perf_counter() - started)
     return 0 if summary["outputs_identical"] else 1
-
-
-def run_tiered(args: argparse.Namespace, model: Path, w: Workload,
-               say: Callable[[str], None]) -> int:
-    """``kvtier demo --disk DIR`` (``kvtier.demo.tiered``); 1 when answers differ."""
-    from kvtier.demo import tiered
-
-    if not args.json:
-        print(f"kvtier demo --disk {args.disk}: {w.conversations} conversations x {w.turns} "
-              "turns on two servers in a row (kvtier serve, a disk tier shared by both)")
-        print(tiered.HEADER)
-
-    def row(r: tiered.Served) -> None:
-        if not args.json:
-            print(tiered.format_row(r), flush=True)
-
-    results = tiered.run(model, args.disk, w, args.cpu_bytes, say, row)
-    s = tiered.summary(results)
-    tiered.print_report(results, s, args.json)
-    return 0 if s["answers_identical"] else 1
 
 
 def _progress(quiet: bool) -> Any:

@@ -19,6 +19,7 @@ checked against the first's where both answered the same prompt.
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import tempfile
@@ -29,8 +30,8 @@ from typing import Any
 
 from kvtier.bench import prom
 from kvtier.bench.server import ServerProcess
-from kvtier.demo.chat import Workload
 from kvtier.demo.tiny_model import kv_bytes_per_block
+from kvtier.demo.workload import Workload
 
 SOURCES = ("device", "host", "disk")
 BLOCK_TOKENS = 32
@@ -181,3 +182,21 @@ def print_report(results: Sequence[Served], s: dict[str, Any], as_json: bool) ->
               f"{t['disk']} from disk, {t['computed']} computed")
     print(f"greedy answers of server 2 identical to server 1's: "
           f"{'yes' if s['answers_identical'] else 'NO'} ({s['answers_compared']} compared)")
+
+
+def run_from_args(args: argparse.Namespace, model: Path, w: Workload,
+               say: Callable[[str], None]) -> int:
+    """``kvtier demo --disk DIR`` (``kvtier.demo.tiered``); 1 when answers differ."""
+    if not args.json:
+        print(f"kvtier demo --disk {args.disk}: {w.conversations} conversations x {w.turns} "
+              "turns on two servers in a row (kvtier serve, a disk tier shared by both)")
+        print(HEADER)
+
+    def row(r: Served) -> None:
+        if not args.json:
+            print(format_row(r), flush=True)
+
+    results = run(model, args.disk, w, args.cpu_bytes, say, row)
+    s = summary(results)
+    print_report(results, s, args.json)
+    return 0 if s["answers_identical"] else 1

@@ -19,6 +19,8 @@ NUM_HEADS = 4
 NUM_KV_HEADS = 4
 HEAD_DIM = 32
 DTYPE_BYTES = 2  # bfloat16
+MAX_POSITIONS = 4096
+"""The tiny model's ``max_position_embeddings``."""
 _FILES = ("config.json", "model.safetensors", "tokenizer.json", "generation_config.json")
 """Files a complete model dir has."""
 
@@ -46,6 +48,17 @@ def _save_tokenizer(path: Path) -> None:
         model_max_length=4096,
     )
     fast.save_pretrained(str(path))
+
+
+def default_model_dir() -> Path:
+    """``$XDG_CACHE_HOME/kvtier/tiny-llama`` (``~/.cache``), or a temp dir if unwritable."""
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    target = base / "kvtier" / "tiny-llama"
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return Path(tempfile.gettempdir()) / "kvtier-tiny-llama"
+    return target
 
 
 def is_built(path: str | Path) -> bool:
@@ -91,7 +104,7 @@ def _write_model(out: Path, seed: int) -> None:
         num_attention_heads=NUM_HEADS,
         num_key_value_heads=NUM_KV_HEADS,
         head_dim=HEAD_DIM,
-        max_position_embeddings=4096,
+        max_position_embeddings=MAX_POSITIONS,
         bos_token_id=1,
         eos_token_id=2,
         tie_word_embeddings=False,

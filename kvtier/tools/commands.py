@@ -24,7 +24,8 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvtier.argtypes import positive_int
-from kvtier.cli import PROG, CommandError, make_progress
+from kvtier.errors import PROG, CommandError
+from kvtier.progress import make_progress
 from kvtier.tools import AdminError
 from kvtier.tools.formatting import human_age, human_bytes, plural, table
 
