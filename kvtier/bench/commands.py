@@ -10,6 +10,7 @@ from typing import Any
 
 from kvtier.argtypes import positive_int
 from kvtier.bench import serving
+from kvtier.bench.server import sigterm_as_exit
 from kvtier.errors import CommandError
 from kvtier.progress import make_progress
 
@@ -95,7 +96,8 @@ def cmd_bench_faults(args: argparse.Namespace) -> int:
                              speedup=args.speedup)
     s.out.mkdir(parents=True, exist_ok=True)
     (s.out / "faults.jsonl").unlink(missing_ok=True)
-    results = faults.run_all(s, say=lambda m: print(m, file=sys.stderr, flush=True))
+    with sigterm_as_exit():
+        results = faults.run_all(s, say=lambda m: print(m, file=sys.stderr, flush=True))
     lines = faults.table(results)
     (s.out / "faults.txt").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
@@ -135,7 +137,8 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
             progress.update(1)
 
         try:
-            results = serving.run_all(s, resume=args.resume, progress=report)
+            with sigterm_as_exit():
+                results = serving.run_all(s, resume=args.resume, progress=report)
         finally:
             progress.close()
     rows = serving.summarize(results, s)

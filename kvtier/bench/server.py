@@ -17,7 +17,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 
@@ -26,6 +26,20 @@ LOG_TAIL_BYTES = 6000
 
 class ServerError(RuntimeError):
     """The server did not start or stop as expected; the message holds its log's tail."""
+
+
+@contextlib.contextmanager
+def sigterm_as_exit() -> Iterator[None]:
+    """SIGTERM raises ``SystemExit`` meanwhile, so that ``finally`` blocks stop the
+    servers a benchmark started (Python's default would leave them running)."""
+    def leave(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, leave)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def session_pids(session: int) -> list[int]:
