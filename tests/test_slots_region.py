@@ -238,3 +238,28 @@ def test_non_int_slot_id_rejected(region: SlotRegion) -> None:
     with pytest.raises(TypeError, match="slot id must be an int"):
         region.slot_array("1")  # type: ignore[arg-type]
     assert region.slot_array(np.int64(7)).shape == (5000,)
+
+
+def test_a_zombie_creator_is_dead(engine_id: str) -> None:
+    """A child that exited but was not reaped still has a pid: it holds nothing."""
+    import subprocess
+
+    from kvtier.slots.region import pid_alive
+
+    child = subprocess.Popen(["true"])
+    deadline = time.monotonic() + 10
+    while not _is_zombie(child.pid) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    try:
+        assert _is_zombie(child.pid)
+        assert not pid_alive(child.pid)
+    finally:
+        child.wait()
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return False

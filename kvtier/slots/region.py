@@ -66,19 +66,28 @@ def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
-def _process_start_ticks(pid: int) -> int:
-    """Start time of ``pid`` in clock ticks since boot (0 when unknown)."""
+def _proc_stat(pid: int) -> list[str]:
+    """Fields 3.. of ``/proc/PID/stat`` (state first), [] when unknown."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
-        return 0
-    # Field 22; the command name (field 2) may contain spaces, so split after ')'.
-    fields = stat.rsplit(")", 1)[-1].split()
+        return []
+    # The command name (field 2) may contain spaces and ')': split after the last ')'.
+    return stat.rsplit(")", 1)[-1].split()
+
+
+def _process_start_ticks(pid: int) -> int:
+    """Start time of ``pid`` in clock ticks since boot (0 when unknown)."""
+    fields = _proc_stat(pid)
     return int(fields[19]) if len(fields) > 19 else 0
 
 
 def pid_alive(pid: int, start_ticks: int = 0) -> bool:
-    """Whether ``pid`` runs and, when ``start_ticks`` is known, is the same process."""
+    """Whether ``pid`` runs and, when ``start_ticks`` is known, is the same process.
+
+    A zombie is dead: it holds no file or mapping any more, and where the init
+    process does not reap (some containers) it would stay "alive" for ever.
+    """
     if pid <= 0:
         return False
     try:
@@ -87,8 +96,11 @@ def pid_alive(pid: int, start_ticks: int = 0) -> bool:
         return False
     except PermissionError:
         pass  # exists, owned by someone else
+    fields = _proc_stat(pid)
+    if fields and fields[0] in ("Z", "X"):
+        return False
     if start_ticks:
-        current = _process_start_ticks(pid)
+        current = int(fields[19]) if len(fields) > 19 else 0
         return current in (0, start_ticks)
     return True
 
