@@ -13,6 +13,8 @@
     kvtier disk inspect|verify [--repair]|purge PATH, kvtier redis inspect URL  (kvtier.tools)
     kvtier serve MODEL [--cpu-bytes N] [--policy NAME] ... [vllm serve options]  (kvtier.serve)
     kvtier bench serve [--configs ...] [--traffic ...] [--regimes ...] [--repeats N]  (kvtier.bench)
+    kvtier soak [--requests N] [--cpu-blocks N] [--disk-blocks N] [--json] [--plot OUT.png]
+                (kvtier.replay.soak)
 
 Errors in the input (unknown policy, missing or malformed trace) are reported
 as ``kvtier: error: ...`` with exit status 2, like argparse's own.
@@ -95,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_disk_parser(commands)
     add_redis_parser(commands)
+    from kvtier.replay.soak_command import add_soak_parser
+
+    add_soak_parser(commands)
     return parser
 
 

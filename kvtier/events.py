@@ -42,6 +42,10 @@ class EventLog:
             self.dropped += 1
         self._events.append(Event(tuple(keys), kind, medium))
 
+    def __len__(self) -> int:
+        """Events not taken yet."""
+        return len(self._events)
+
     def take(self) -> list[Event]:
         """Return and forget every pending event, oldest first."""
         out = list(self._events)

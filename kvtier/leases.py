@@ -13,6 +13,10 @@ DEFAULT_LEASE_TIMEOUT_S = 60.0
 DEFAULT_MAX_LEASES_PER_REQUEST = 16_384
 """Keys one request may hold leased (a 256k-token prompt in 16-token blocks)."""
 
+DEFAULT_MAX_LEASE_HOLDERS = 65_536
+"""Requests that may hold leases at once (far more than an engine runs); past
+it, the leases of the oldest holder lapse early, as if they had timed out."""
+
 
 class LeaseTable:
     """Which requests hold leases, how many, and until when.
@@ -23,13 +27,18 @@ class LeaseTable:
     ``total`` in all; a holder's leases lapse ``timeout_s`` seconds after its
     last grant. The per-request bound counts a request's leases; the total bound
     counts distinct leased blocks (the manager's lease counts), so requests
-    sharing a prefix hold no more of the cache than one of them.
+    sharing a prefix hold no more of the cache than one of them. The holders
+    themselves (each keeps its ``RequestContext`` alive) are at most
+    ``max_holders``: :meth:`expired` also names the oldest holders beyond it,
+    so between two lookups the table holds at most ``max_holders + 1``.
     """
 
-    __slots__ = ("per_request", "total", "timeout_s", "held", "_holders")
+    __slots__ = ("per_request", "total", "timeout_s", "max_holders", "held", "_holders")
 
-    def __init__(self, per_request: int, total: int, timeout_s: float) -> None:
-        for name, value in (("max_leases_per_request", per_request), ("max_leased_blocks", total)):
+    def __init__(self, per_request: int, total: int, timeout_s: float,
+                 max_holders: int = DEFAULT_MAX_LEASE_HOLDERS) -> None:
+        for name, value in (("max_leases_per_request", per_request), ("max_leased_blocks", total),
+                            ("max_lease_holders", max_holders)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(
                     f"{name} must be an int >= 1 (with no lease budget no lookup "
@@ -40,6 +49,7 @@ class LeaseTable:
         self.per_request = per_request
         self.total = total
         self.timeout_s = float(timeout_s)
+        self.max_holders = max_holders
         self.held = 0
         self._holders: OrderedDict[RequestContext, None] = OrderedDict()
 
@@ -61,13 +71,20 @@ class LeaseTable:
             self._holders.pop(ctx, None)
 
     def expired(self, now: float) -> list[RequestContext]:
-        """Holders whose leases lapsed by ``now``, oldest first."""
+        """Holders whose leases lapsed by ``now``, and the oldest holders beyond
+        ``max_holders``; oldest first."""
         out: list[RequestContext] = []
+        over = len(self._holders) - self.max_holders
         for ctx in self._holders:
-            if ctx.lease_deadline > now:
+            if ctx.lease_deadline > now and over <= 0:
                 break
             out.append(ctx)
+            over -= 1
         return out
+
+    def __len__(self) -> int:
+        """Requests holding leases."""
+        return len(self._holders)
 
     def has_holders(self) -> bool:
         """Whether any request holds a lease."""

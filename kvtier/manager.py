@@ -11,7 +11,12 @@ from kvtier.errors import MissingBlocksError, ProtocolError
 from kvtier.events import Event, EventLog
 from kvtier.history import EvictionHistory
 from kvtier.keys import check_keys, key_group
-from kvtier.leases import DEFAULT_LEASE_TIMEOUT_S, DEFAULT_MAX_LEASES_PER_REQUEST, LeaseTable
+from kvtier.leases import (
+    DEFAULT_LEASE_TIMEOUT_S,
+    DEFAULT_MAX_LEASE_HOLDERS,
+    DEFAULT_MAX_LEASES_PER_REQUEST,
+    LeaseTable,
+)
 from kvtier.policies import EvictionPolicy, make_policy
 from kvtier.request import RequestContext
 from kvtier.results import LoadSpec, LookupResult, PrepareStoreOutput
@@ -39,8 +44,9 @@ class OffloadManager:
     * memory is bounded: the table by ``num_blocks``, the tracker by
       ``max_tracker_size``, the history by ``eviction_history_size``, leases by
       ``max_leases_per_request`` / ``max_leased_blocks`` (default half the
-      cache) / ``lease_timeout_s``, events by ``max_events``; per-request state
-      lives in the caller's ``RequestContext``.
+      cache) / ``lease_timeout_s``, the requests holding leases by
+      ``max_lease_holders``, events by ``max_events``; per-request state lives
+      in the caller's ``RequestContext``. ``debug_state()`` reports each size.
 
     Hits and misses count keys: ``lookup`` of k keys with n hits adds n hits
     and k - n misses; ``lookup_one`` counts HIT and MISS, not HIT_PENDING.
@@ -59,6 +65,7 @@ class OffloadManager:
         max_leased_blocks: int | None = None,
         lease_timeout_s: float = DEFAULT_LEASE_TIMEOUT_S,
         max_events: int = 100_000,
+        max_lease_holders: int = DEFAULT_MAX_LEASE_HOLDERS,
     ) -> None:
         self.num_blocks = _positive_int("num_blocks", num_blocks)
         self.policy: EvictionPolicy = make_policy(policy, num_blocks)
@@ -68,7 +75,8 @@ class OffloadManager:
         self._history = EvictionHistory(eviction_history_size)
         self._events = EventLog(bool(enable_events), max_events)
         total = max(1, num_blocks // 2) if max_leased_blocks is None else max_leased_blocks
-        self._leases = LeaseTable(max_leases_per_request, total, lease_timeout_s)
+        self._leases = LeaseTable(max_leases_per_request, total, lease_timeout_s,
+                                  max_lease_holders)
         # The block table, flat for speed: every resident key has a slot; the
         # keys being written, pinned or leased are also in ``policy.blocked``.
         self._slot: dict[bytes, int] = {}
@@ -648,13 +656,35 @@ class OffloadManager:
         return key in self._slot
 
     def debug_state(self) -> dict[str, Any]:
-        """Sizes of internal structures, for tests and diagnostics."""
-        return {
+        """Sizes of internal structures (entries; cheap: ``len`` of each), for
+        tests, diagnostics and the soak (``kvtier.replay.soak``).
+
+        Bounds: ``table``, ``free``, ``writing``, ``pinned``, ``leased``,
+        ``reserved``, ``internal_pins``, ``unevictable`` and ``policy_size`` by
+        ``num_blocks``; ``tracker_size`` by ``max_tracker_size``;
+        ``history_size`` by ``eviction_history_size``; ``lease_holders`` by
+        ``max_lease_holders`` (+ 1 between lookups); ``leases_held`` by
+        ``lease_holders * max_leases_per_request``; ``events`` by ``max_events``;
+        ``policy``: the policy's ``sizes()`` (its docstring states the bounds).
+        """
+        state: dict[str, Any] = {
             "tracker_size": 0 if self._tracker is None else len(self._tracker),
             "history_size": len(self._history),
             "leases_held": self._leases.held,
+            "lease_holders": len(self._leases),
             "policy_size": len(self.policy),
+            "table": len(self._slot),
+            "free": len(self._free),
+            "writing": len(self._writing),
+            "pinned": len(self._pins),
+            "leased": len(self._lease_count),
+            "reserved": len(self._reserved),
+            "internal_pins": len(self._internal_pins),
+            "unevictable": len(self._blocked),
+            "events": len(self._events),
         }
+        state["policy"] = dict(self.policy.sizes())
+        return state
 
     # -- diagnostics ---------------------------------------------------------
 

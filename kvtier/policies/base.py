@@ -71,3 +71,8 @@ class EvictionPolicy(ABC):
     @abstractmethod
     def __len__(self) -> int:
         """Number of resident blocks tracked."""
+
+    def sizes(self) -> dict[str, int]:
+        """Entries of each structure the policy keeps (cheap; for diagnostics and
+        the soak). The base reports the resident blocks; policies add their own."""
+        return {"resident": len(self)}

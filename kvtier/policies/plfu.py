@@ -10,6 +10,7 @@ from collections import OrderedDict
 from collections.abc import Container, Iterator, Sequence
 
 from kvtier.policies.base import EvictionPolicy
+from kvtier.policies.order import KeyOrder, take
 
 _Queue = OrderedDict[bytes, None]
 
@@ -17,7 +18,6 @@ _COUNT_CAP = 16
 _CLASSES = _COUNT_CAP.bit_length()
 _CLASS_OF = tuple(max(0, n.bit_length() - 1) for n in range(_COUNT_CAP + 1))
 """Count class of counts 0..COUNT_CAP: log2(count) rounded down."""
-
 
 
 class PLFUPolicy(EvictionPolicy):
@@ -56,6 +56,15 @@ class PLFUPolicy(EvictionPolicy):
     uses its whole prefix) and ties go head-first, so eviction takes tails
     before heads and leaves no orphaned tails. No parameter depends on the
     trace.
+
+    Memory: every new block enters the window, so it is the compact list (a
+    :class:`~kvtier.policies.order.KeyOrder`, one dict entry per key), and a
+    window key that one request used has a count of 1 that is implied, not
+    stored (``_counts`` holds the other counts, ``_fresh`` the window keys no
+    request has used since they were stored); a main key costs an entry in
+    ``_recent`` and in its class queue (ordered dicts) and in ``_meta`` (with
+    an int) and its count; every key in ``history`` or a ghost list keeps its
+    key object alive.
     """
 
     name = "plfu"
@@ -86,8 +95,12 @@ class PLFUPolicy(EvictionPolicy):
         self._init_state()
 
     def _init_state(self) -> None:
-        self.history: dict[bytes, int] = {}
-        self._window: _Queue = OrderedDict()
+        # The history is _counts plus an implied count of 1 for each window key
+        # not in _fresh (one request used it); _fresh: window keys no request
+        # has used since they were stored (their count, if any, is in _counts).
+        self._counts: dict[bytes, int] = {}
+        self._fresh: set[bytes] = set()
+        self._window = KeyOrder()
         self._recent: _Queue = OrderedDict()  # F, least recent first
         # F by count class c = log2(min(count, COUNT_CAP)), each least recent first;
         # a key's priority is (base when last used) + c + 1, so the head of each
@@ -108,12 +121,26 @@ class PLFUPolicy(EvictionPolicy):
     def __len__(self) -> int:
         return len(self._window) + len(self._meta)
 
+    @property
+    def history(self) -> dict[bytes, int]:
+        """Key -> number of requests that used it (a copy, built on each call)."""
+        history = dict(self._counts)
+        fresh = self._fresh
+        for key in self._window:
+            if key not in fresh:
+                history[key] = 1
+        return history
+
+    def _history_size(self) -> int:
+        """``len(self.history)``, without building it."""
+        return len(self._counts) + len(self._window) - len(self._fresh)
+
     def sizes(self) -> dict[str, int]:
         """Entries of each structure (for tests and diagnostics)."""
         return {
             "window": len(self._window),
             "main": len(self._meta),
-            "history": len(self.history),
+            "history": self._history_size(),
             "ghost_window": len(self._g1) + len(self._g1_old),
             "ghost_main": len(self._g2) + len(self._g2_old),
         }
@@ -130,9 +157,8 @@ class PLFUPolicy(EvictionPolicy):
         # Every new block starts in the window, tail first so that its head is the
         # most recent; the request's access (``on_access``) moves a block that an
         # earlier request used to the main segment.
-        window = self._window
-        for key in reversed(keys):
-            window[key] = None
+        self._fresh.update(keys)
+        self._window.add_many(reversed(keys))
 
     def _from_ghost(self, key: bytes) -> None:
         """A block came back: adapt ``target`` (and ``lfu_share``) if it was a ghost.
@@ -164,10 +190,23 @@ class PLFUPolicy(EvictionPolicy):
         self.target = min(self.target + step, float(self.capacity))
 
     def remove(self, key: bytes) -> None:
-        if key in self._window:
-            del self._window[key]
+        if self._window.discard(key):
+            self._left_window([key])
         elif key in self._meta:
             self._drop_main(key)
+
+    def _left_window(self, keys: list[bytes]) -> None:
+        """Keys that left the window: an implied count of 1 becomes a stored one."""
+        fresh, counts = self._fresh, self._counts
+        if not fresh:
+            for key in keys:
+                counts[key] = 1
+            return
+        for key in keys:
+            if key in fresh:
+                fresh.discard(key)
+            else:
+                counts[key] = 1
 
     def _drop_main(self, key: bytes) -> int:
         """Forget a main key; return its priority."""
@@ -178,41 +217,54 @@ class PLFUPolicy(EvictionPolicy):
         return (meta >> 3) + c + 1
 
     def on_access(self, keys: Sequence[bytes], reused: Container[bytes]) -> None:
-        history, window, recent = self.history, self._window, self._recent
+        counts, fresh, window, recent = self._counts, self._fresh, self._window, self._recent
         metas, classes, class_of = self._meta, self._classes, _CLASS_OF
-        get, rmove, mget = history.get, recent.move_to_end, metas.get
+        get, rmove, mget = counts.get, recent.move_to_end, metas.get
+        used = fresh.discard
         g1, g1_old, g2, g2_old = self._g1, self._g1_old, self._g2, self._g2_old
         base, cap, top = self._base << 3, _COUNT_CAP, _CLASSES - 1
+        promoted: list[bytes] = []  # leave the window once the loop is done
         for key in reversed(keys):  # tail first: the head ends most recent
-            count = get(key, 0) + 1
-            history[key] = count
-            if count == 1:
-                continue  # a new block: in the window already, in offer order
-            if key in window:  # a second request uses it: to the main segment
-                del window[key]
-                if key in g1 or key in g1_old or key in g2 or key in g2_old:
-                    self._from_ghost(key)
-                c = class_of[count] if count < cap else top
-                classes[c][key] = None
-                metas[key] = base | c
-                recent[key] = None
-                continue
-            meta = mget(key)
-            if meta is None:
-                continue  # not resident
-            rmove(key)
-            c = class_of[count] if count < cap else top
-            old = meta & 7
-            new = base | c
-            if c == old:
-                classes[c].move_to_end(key)
-                if meta != new:
-                    metas[key] = new
+            if key in fresh:  # the first request that uses it since it was stored
+                used(key)
+                if key not in counts:
+                    continue  # a new block: stays in the window, its count of 1 implied
+                count = counts[key] + 1
             else:
-                del classes[old][key]
-                classes[c][key] = None
-                metas[key] = new
-        if len(history) > self.history_limit:
+                meta = mget(key)
+                if meta is not None:  # a main key
+                    count = get(key, 0) + 1
+                    counts[key] = count
+                    rmove(key)
+                    c = class_of[count] if count < cap else top
+                    old = meta & 7
+                    new = base | c
+                    if c == old:
+                        classes[c].move_to_end(key)
+                        if meta != new:
+                            metas[key] = new
+                    else:
+                        del classes[old][key]
+                        classes[c][key] = None
+                        metas[key] = new
+                    continue
+                count = get(key, 0) + 1
+                if count > 1 or key not in window:
+                    counts[key] = count  # not resident (a window key's count of 1
+                    continue  # is implied, never stored)
+                count = 2  # a window key one request used before
+            # a second request uses a window key: to the main segment
+            counts[key] = count
+            promoted.append(key)
+            if key in g1 or key in g1_old or key in g2 or key in g2_old:
+                self._from_ghost(key)
+            c = class_of[count] if count < cap else top
+            classes[c][key] = None
+            metas[key] = base | c
+            recent[key] = None
+        if promoted:
+            window.discard_many(promoted)
+        if len(counts) + len(window) - len(fresh) > self.history_limit:  # _history_size()
             self._age()
 
     def _age(self) -> None:
@@ -221,38 +273,38 @@ class PLFUPolicy(EvictionPolicy):
         Resident keys keep a count of at least 1, so their next use still
         counts as a second one (``on_access`` relies on it).
         """
-        history = self.history
-        while len(history) > self.history_limit // 2:
-            history = {k: c >> 1 for k, c in history.items() if c > 1}
-        keep = history.setdefault
-        for key in self._window:
+        counts, size = self._counts, self._history_size()
+        while size > self.history_limit // 2:
+            # the implied counts of 1 drop out like any other count of 1
+            counts = {k: c >> 1 for k, c in counts.items() if c > 1}
+            size = len(counts)
+        keep = counts.setdefault
+        for key in self._fresh:  # other window keys keep their implied 1
             keep(key, 1)
         for key in self._meta:
             keep(key, 1)
-        self.history = history
+        self._counts = counts
 
     def evict(self, n: int, protected: Container[bytes]) -> list[bytes] | None:
         if n <= 0:
             return []
         window = self._window
         if len(window) - self.target >= n:  # the common case: the window alone pays
-            blocked = self.blocked
-            out: list[bytes] = []
-            add = out.append
-            left = n
-            for key in window:
-                if key in blocked or key in protected:
-                    continue
-                add(key)
-                left -= 1
-                if not left:
-                    g1 = self._g1
-                    for victim in out:
-                        del window[victim]
-                        g1[victim] = None
-                    if len(g1) >= self._generation:
-                        self._g1_old, self._g1 = g1, {}
-                    return out
+            out = window.take_oldest(n, self.blocked, protected)
+            if out is not None:
+                g1 = self._g1
+                if self._fresh:
+                    self._left_window(out)
+                    for key in out:
+                        g1[key] = None
+                else:  # _left_window, inline: each count of 1 is stored now
+                    counts = self._counts
+                    for key in out:
+                        g1[key] = None
+                        counts[key] = 1
+                if len(g1) >= self._generation:
+                    self._g1_old, self._g1 = g1, {}
+                return out
         if n > len(self):
             return None
         return self._evict_mixed(n, protected)
@@ -282,23 +334,18 @@ class PLFUPolicy(EvictionPolicy):
             if len(from_window) < n - len(by_lfu) - len(by_lru):
                 return None
         self._carry = carry
+        if from_window:
+            self._window.evicted(from_window, self.blocked, protected)
+            self._left_window(from_window)
         self._retire(from_window, by_lfu, by_lru)
         return from_window + by_lfu + by_lru
 
     def _take(self, keys: Iterator[bytes], k: int, protected: Container[bytes],
               taken: Container[bytes]) -> list[bytes]:
         """The next ``k`` evictable keys of ``keys`` not in ``taken`` (fewer if it runs out)."""
-        out: list[bytes] = []
-        if k <= 0:
-            return out
-        blocked = self.blocked
-        for key in keys:
-            if key in blocked or key in protected or key in taken:
-                continue
-            out.append(key)
-            if len(out) == k:
-                break
-        return out
+        if taken:
+            return take(keys, k, self.blocked, protected, taken)
+        return take(keys, k, self.blocked, protected)
 
     def _take_lfu(self, k: int, protected: Container[bytes],
                   taken: Container[bytes]) -> list[bytes]:
@@ -339,11 +386,11 @@ class PLFUPolicy(EvictionPolicy):
 
     def _retire(self, from_window: list[bytes], by_lfu: list[bytes],
                 by_lru: list[bytes]) -> None:
-        """Remove the victims and remember them as ghosts."""
-        window, g1, g2 = self._window, self._g1, self._g2
+        """Remove the victims (the window's are removed already) and remember
+        them as ghosts."""
+        g1, g2 = self._g1, self._g2
         metas, classes, recent = self._meta, self._classes, self._recent
         for key in from_window:
-            del window[key]
             g1[key] = None
         base = self._base
         for key in by_lfu:

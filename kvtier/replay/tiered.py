@@ -34,10 +34,11 @@ block costs one file-system allocation unit (4 KiB): the disk tier holds
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,7 @@ from kvtier.replay.trace import MOONCAKE_BLOCK_TOKENS
 from kvtier.request import RequestContext
 from kvtier.results import LookupResult
 from kvtier.slots.region import SlotRegion
+from kvtier.tiers.base import Tier
 from kvtier.tiers.cascade import WRITE_POLICIES, TierCascade, WritePolicy
 from kvtier.tiers.disk import ALLOC_UNIT, DiskTier
 from kvtier.tiers.namespace import KVLayout
@@ -114,12 +116,22 @@ def key_bytes(key: bytes, size: int) -> np.ndarray:
     return np.resize(digest, size)
 
 
-class _Replayer:
-    def __init__(self, cascade: TierCascade, region: SlotRegion) -> None:
+class Replayer:
+    """Runs requests through a cascade in vLLM's step contract (module docstring).
+
+    Owns the hit and verification counters. ``wait_writes``: end steps after
+    each request until its writes finished (deterministic; the replay lab);
+    otherwise they run on while later requests are served (the soak), and only
+    what the bounded I/O queues refuse is dropped.
+    """
+
+    def __init__(self, cascade: TierCascade, region: SlotRegion,
+                 wait_writes: bool = True) -> None:
         self.cascade = cascade
         self.mgr = cascade.manager
         self.region = region
         self.size = region.slot_bytes
+        self.wait_writes = wait_writes
         self.cpu_hits = self.disk_hits = self.verify_failures = 0
 
     def _end_steps(self, deadline: float, what: str) -> None:
@@ -151,7 +163,10 @@ class _Replayer:
         return None if deferred else hits
 
     def _prefix(self, keys: list[bytes], ctx: RequestContext) -> tuple[int, int]:
-        """Scan until final, ending steps in between: (prefix hits, of them promoted)."""
+        """Scan until final, ending steps in between: (prefix hits, of them promoted).
+
+        With ``wait_writes`` each deferred scan waits until no job is in flight;
+        otherwise it ends one step and scans again (writes run on meanwhile)."""
         pending: set[bytes] = set()
         deadline = time.monotonic() + PROMOTION_TIMEOUT_S + 5.0
         while True:
@@ -159,7 +174,13 @@ class _Replayer:
             if hits is not None:
                 self.cascade.on_schedule_end()
                 return hits, sum(1 for k in keys[:hits] if k in pending)
-            self._end_steps(deadline, "a promotion")
+            if self.wait_writes:
+                self._end_steps(deadline, "a promotion")
+                continue
+            if time.monotonic() > deadline:
+                raise RuntimeError("kvtier tiered replay: a promotion never finished")
+            self.cascade.on_schedule_end()
+            time.sleep(WAIT_S)
 
     def request(self, keys: list[bytes], ctx: RequestContext) -> None:
         mgr, cascade, size = self.mgr, self.cascade, self.size
@@ -179,7 +200,10 @@ class _Replayer:
                 self.region.slot_array(slot)[:] = key_bytes(key, size)
             cascade.complete_store(out.keys_to_store, ctx)
         cascade.on_request_finished(ctx)
-        self._end_steps(time.monotonic() + PROMOTION_TIMEOUT_S, "a disk write")
+        if self.wait_writes:
+            self._end_steps(time.monotonic() + PROMOTION_TIMEOUT_S, "a disk write")
+        else:
+            cascade.on_schedule_end()
 
 
 def check_disk_options(disk_store_threshold: object, disk_write_policy: object) -> None:
@@ -227,29 +251,15 @@ def replay_tiered(
         max_tracker_size=max_tracker_size,
         max_leases_per_request=capacity, max_leased_blocks=capacity,
     )
-    with tempfile.TemporaryDirectory(prefix="kvtier-tiered-", dir=workdir) as tmp:
-        tmp_path = Path(tmp)
-        tiers = []
-        if disk_blocks:
-            tiers.append(DiskTier(
-                tmp_path / "disk", NAMESPACE, disk_blocks * ALLOC_UNIT,
-                free_reserve_bytes=0, rescan_interval_s=None,
-            ))
-        with SlotRegion.create("tiered-replay", capacity, slot_bytes,
-                               shm_dir=tmp_path, populate=False) as region:
-            cascade = TierCascade(mgr, region, tiers, disk_write_policy, io_threads=1,
-                                  store_threshold=disk_store_threshold,
-                                  max_tracker_size=max_tracker_size,
-                                  promotion_timeout_s=PROMOTION_TIMEOUT_S)
-            try:
-                r = _Replayer(cascade, region)
-                for keys, ctx in request_contexts(requests, progress):
-                    r.request(keys, ctx)
-                if not cascade.drain(PROMOTION_TIMEOUT_S):
-                    raise RuntimeError("kvtier tiered replay: cascade jobs never finished")
-                cstats = cascade.stats()
-            finally:
-                cascade.shutdown()
+    with tiered_cascade(mgr, disk_blocks, disk_write_policy,
+                        disk_store_threshold, max_tracker_size=max_tracker_size,
+                        slot_bytes=slot_bytes, workdir=workdir) as (cascade, region):
+        r = Replayer(cascade, region)
+        for keys, ctx in request_contexts(requests, progress):
+            r.request(keys, ctx)
+        if not cascade.drain(PROMOTION_TIMEOUT_S):
+            raise RuntimeError("kvtier tiered replay: cascade jobs never finished")
+        cstats = cascade.stats()
     settings = {"policy": policy, "capacity": capacity, "disk_blocks": disk_blocks,
                 "store_threshold": store_threshold,
                 "disk_store_threshold": disk_store_threshold,
@@ -257,8 +267,53 @@ def replay_tiered(
     return _result(settings, requests, r, mgr.stats(), cstats, time.perf_counter() - start)
 
 
+@contextlib.contextmanager
+def tiered_cascade(
+    mgr: OffloadManager,
+    disk_blocks: int,
+    write_policy: WritePolicy | Sequence[WritePolicy] = "store",
+    store_threshold: int | Sequence[int] = 1,
+    *,
+    max_tracker_size: int = 64_000,
+    slot_bytes: int = DEFAULT_SLOT_BYTES,
+    workdir: str | Path | None = None,
+    extra_tiers: Sequence[Tier] = (),
+    io_threads: int = 1,
+    **cascade_options: Any,
+) -> Iterator[tuple[TierCascade, SlotRegion]]:
+    """A ``TierCascade`` over ``mgr`` for the lab: a real slot region of
+    ``mgr.num_blocks`` slots of ``slot_bytes`` and a fresh ``DiskTier`` of
+    ``disk_blocks`` blocks (0: none) in a temporary directory under
+    ``workdir``, then ``extra_tiers`` (e.g. a ``RedisTier``, owned by the
+    cascade from then on). ``write_policy`` and ``store_threshold``: one for
+    every tier, or one per tier; ``cascade_options`` go to ``TierCascade``
+    (``max_probes``, ``max_failed``, ``max_queue``...). Everything is removed
+    afterwards.
+    """
+    with tempfile.TemporaryDirectory(prefix="kvtier-tiered-", dir=workdir) as tmp:
+        tmp_path = Path(tmp)
+        tiers: list[Tier] = []
+        if disk_blocks:
+            tiers.append(DiskTier(
+                tmp_path / "disk", NAMESPACE, disk_blocks * ALLOC_UNIT,
+                free_reserve_bytes=0, rescan_interval_s=None,
+            ))
+        tiers.extend(extra_tiers)
+        with SlotRegion.create("tiered-replay", mgr.num_blocks, slot_bytes,
+                               shm_dir=tmp_path, populate=False) as region:
+            cascade = TierCascade(mgr, region, tiers, write_policy, io_threads=io_threads,
+                                  store_threshold=store_threshold,
+                                  max_tracker_size=max_tracker_size,
+                                  promotion_timeout_s=PROMOTION_TIMEOUT_S,
+                                  **cascade_options)
+            try:
+                yield cascade, region
+            finally:
+                cascade.shutdown()
+
+
 def _result(
-    settings: dict[str, Any], requests: Sequence[list[bytes]], r: _Replayer,
+    settings: dict[str, Any], requests: Sequence[list[bytes]], r: Replayer,
     stats: dict[str, int], cstats: dict[str, int], seconds: float,
 ) -> TieredReplayResult:
     """The figures of a finished replay (``stats``: the manager's, ``cstats``: the cascade's)."""

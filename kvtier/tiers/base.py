@@ -125,6 +125,10 @@ class TierEventLog:
             self._events.clear()
         return out
 
+    def __len__(self) -> int:
+        """Events not taken yet (at most ``max_events``)."""
+        return len(self._events)
+
 
 class Counters:
     """Thread-safe integer counters, starting with :data:`COUNTERS` at 0."""
@@ -203,6 +207,11 @@ class Tier(ABC):
     @property
     def available(self) -> bool:
         return True
+
+    def debug_state(self) -> dict[str, int]:
+        """Entries of the tier's in-process structures (cheap: the length of
+        each; each tier's docstring states their bounds). None by default."""
+        return {}
 
     @abstractmethod
     def close(self) -> None: ...

@@ -62,7 +62,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from kvtier.events import Event
 from kvtier.manager import OffloadManager
@@ -533,6 +533,40 @@ class TierCascade:
             "queued_writes": queued_writes,
             "failed_keys": len(self._failed),
         }
+
+    def debug_state(self) -> dict[str, Any]:
+        """Entries of every structure the cascade keeps, cheap (``len`` of each),
+        with their bounds: ``uses`` <= ``max_tracker_size``; ``due``,
+        ``in_flight_promotions`` and ``batched_promotions`` <= the manager's
+        ``num_blocks``; ``failed`` and ``sources`` <= ``max_failed``;
+        ``evicted_jobs`` (this step's write-on-evict copies) <= ``max_queue``;
+        ``writes_in_flight`` and ``probe_jobs`` <= the I/O pool's jobs, which
+        are ``queued_reads`` / ``queued_writes`` <= ``max_queue`` each and
+        ``done`` <= ``2 * (2 * max_queue + io_threads)``; ``probes.<tier>``: each
+        remote tier's ``ExistenceProbes`` (``known`` <= ``max_probes``);
+        ``tiers.<tier>``: each tier's ``debug_state()``."""
+        state: dict[str, Any] = {
+            "uses": len(self._uses),
+            "due": len(self._due),
+            "evicted_jobs": len(self._evicted),
+            "batched_promotions": sum(len(job.keys) for job in self._batching.values()),
+            "in_flight_promotions": len(self._inflight),
+            "failed": len(self._failed),
+            "sources": len(self._sources),
+            "writes_in_flight": self._pending_writes,
+            "probe_jobs": self._probes_in_flight,
+            **self._pool.sizes(),
+        }
+        state["probes"] = {low.tier.name: low.probes.sizes()
+                           for low in self.lower if low.probes is not None}
+        tiers: dict[str, dict[str, int]] = {}
+        for tier in self.tiers:
+            try:
+                tiers[tier.name] = tier.debug_state()
+            except Exception as exc:
+                self._warn.warning("kvtier cascade: %s debug_state failed: %s", tier.name, exc)
+        state["tiers"] = tiers
+        return state
 
     def tier_stats(self) -> dict[str, dict[str, object]]:
         """Each lower tier's ``stats()`` plus ``available``, by tier name."""

@@ -32,7 +32,10 @@ engines together stay within ``capacity_bytes`` plus what the others wrote
 since the last rescan; the free-space reserve holds at all times.
 
 Memory: the index holds at most ``capacity_bytes // 4096`` entries (about 200
-bytes each): e.g. 100k entries (20 MB) for 200 GB of 2 MiB blocks.
+bytes each): e.g. 100k entries (20 MB) for 200 GB of 2 MiB blocks. Writes in
+flight (``_pending``) are at most the threads writing; a rescan's change sets
+only live during the rescan (the changes made meanwhile); events at most
+``max_events``. ``debug_state()`` reports each.
 """
 
 from __future__ import annotations
@@ -762,6 +765,15 @@ class DiskTier(Tier):
 
     def take_events(self) -> list[TierEvent]:
         return self._events.take()
+
+    def debug_state(self) -> dict[str, int]:
+        """Entries of the index (at most ``capacity_bytes // 4096``), of the
+        writes in flight (at most the writer threads), of a rescan's change
+        sets (empty between rescans) and of the pending events (``max_events``)."""
+        with self._lock:
+            return {"index": len(self._index), "pending": len(self._pending),
+                    "scan_added": len(self._scan_added),
+                    "scan_removed": len(self._scan_removed), "events": len(self._events)}
 
     def indexed_keys(self) -> list[bytes]:
         """Keys in this process's index, least recently used first."""

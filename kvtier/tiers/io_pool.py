@@ -135,12 +135,17 @@ class IOPool:
 
     Owns two bounded queues (reads: promotions and probes; writes), each at
     most ``max_queue`` jobs, and the ``done`` queue of finished jobs, which the
-    owner drains with :meth:`take_done` (bounded by what was accepted). Reads
-    run before writes.
+    owner drains with :meth:`take_done`. Reads run before writes. Bounds: a
+    job is refused while its queue holds ``max_queue`` jobs or while
+    ``max_done`` (``2 * max_queue + threads``) finished jobs wait to be taken;
+    the jobs accepted before (at most ``2 * max_queue`` queued and ``threads``
+    running) may still finish, so at most ``2 * max_done`` finished jobs wait,
+    however rarely the owner polls.
     """
 
     def __init__(self, threads: int, max_queue: int) -> None:
         self.max_queue = max_queue
+        self.max_done = 2 * max_queue + threads
         self.region: SlotSource | None = None
         self._cond = threading.Condition()
         self._reads: deque[PromotionJob | ProbeJob] = deque()
@@ -159,11 +164,12 @@ class IOPool:
             return len(self._reads) >= self.max_queue
 
     def submit(self, job: Job) -> bool:
-        """Queue ``job``; False (nothing queued) when its queue is full or the
-        pool is stopping."""
+        """Queue ``job``; False (nothing queued) when its queue is full, too many
+        finished jobs wait to be taken, or the pool is stopping."""
         queue: deque = self._writes if isinstance(job, WriteJob) else self._reads
         with self._cond:
-            if self._stopping or len(queue) >= self.max_queue:
+            if (self._stopping or len(queue) >= self.max_queue
+                    or len(self._done) >= self.max_done):
                 return False
             queue.append(job)
             self._cond.notify()
@@ -183,6 +189,12 @@ class IOPool:
         """(queued reads, queued writes)."""
         with self._cond:
             return len(self._reads), len(self._writes)
+
+    def sizes(self) -> dict[str, int]:
+        """Jobs queued (reads, writes) and finished but not taken yet."""
+        with self._cond:
+            return {"queued_reads": len(self._reads), "queued_writes": len(self._writes),
+                    "done": len(self._done)}
 
     def _run(self) -> None:
         cond = self._cond

@@ -66,6 +66,11 @@ class ExistenceProbes:
     def __len__(self) -> int:
         return len(self._known)
 
+    def sizes(self) -> dict[str, int]:
+        """Keys known (at most ``max_keys``) and asked for the next batch (a
+        subset of them)."""
+        return {"known": len(self._known), "batch": len(self._batch)}
+
     def ask(self, key: bytes, now: float) -> bool | None:
         """True / False when known, None while the answer is awaited (a new or
         expired key joins the next batch)."""

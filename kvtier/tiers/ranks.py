@@ -156,6 +156,14 @@ class RankedTier(Tier):
             events.extend(e for e in tier.take_events() if e.kind in ("removed", "corrupt"))
         return events
 
+    def debug_state(self) -> dict[str, int]:
+        """Each rank's ``debug_state()`` entries, summed over ranks."""
+        out: dict[str, int] = {}
+        for tier in self.ranks:
+            for name, value in tier.debug_state().items():
+                out[name] = out.get(name, 0) + value
+        return out
+
     @property
     def available(self) -> bool:
         return all(t.available for t in self.ranks)

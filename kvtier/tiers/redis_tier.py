@@ -553,6 +553,11 @@ class RedisTier(Tier):
     def take_events(self) -> list[TierEvent]:
         return self._events.take()
 
+    def debug_state(self) -> dict[str, int]:
+        """Pending events (at most ``max_events``); no per-block state is kept
+        in process (the server holds the blocks)."""
+        return {"events": len(self._events)}
+
     def close(self) -> None:
         self._closed = True
         client, self._client_obj = self._client_obj, None

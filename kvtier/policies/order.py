@@ -1,0 +1,429 @@
+"""An ordered set of keys in plain dicts and a list: the policies' recency lists.
+
+An ``OrderedDict`` costs about 91 bytes per key at a million keys (its dict,
+a linked node per key and an index of the nodes); a plain dict about 42. A
+plain dict alone cannot serve as a recency list, though: deleting its oldest
+keys leaves holes at the front of its entry table, which every later scan
+from the oldest end walks over; and each move to the end takes a new entry,
+so a dict whose keys keep moving is resized to three times its keys.
+:class:`KeyOrder` avoids both: the oldest keys are kept in a list in reverse
+order, where they are taken from the end, and a key stored and then moved by
+its own request's access is placed once, not twice.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Container, Iterable, Iterator
+
+
+class KeyOrder:
+    """Keys in the order they were added or last moved to the end, oldest first.
+
+    Owns, for three disjoint parts of the order, oldest first:
+
+    * the *old* part: ``_old`` (a dict, for membership only) and
+      ``_old_order`` (a list, newest first, so the oldest key is at its end),
+      preceded by ``_parked`` (a short list, oldest first: keys found at the
+      end of ``_old_order`` that a scan had to skip, set aside so that the
+      holes behind them can be given back); the lists may hold keys no longer
+      in ``_old`` (removed or moved since), which every read skips;
+    * ``_mid``: keys moved to the end since the old part was built;
+    * ``_tail`` (a dict) and then ``_pending`` (a list, not indexed yet): keys
+      added since the last move (in a policy: the blocks stored since a
+      request's access was last applied). Keys wait in ``_pending`` until a
+      lookup needs them indexed; a move of exactly those keys, in reverse
+      (their request's access, tail first), places each of them once.
+
+    Cost: O(1) amortized per key and operation. The old part is rebuilt from
+    all parts when a scan or a pop from the oldest end runs past it (each key
+    once per rebuild, at C speed); a scan from the oldest end skips stale
+    entries at C speed, and :meth:`evicted` truncates them at the end of the
+    list. Memory: one dict entry per key (about 42 B at a million keys) and
+    one list slot (8 B) per key of the old part, plus stale list slots and
+    dict holes up to the number of keys at the last rebuild.
+    """
+
+    __slots__ = ("_old", "_old_order", "_parked", "_mid", "_tail", "_pending", "_dead",
+                 "_holes")
+
+    TRIM_EVERY = 64
+    """Keys that may leave the old part before its list's end is trimmed."""
+    SCAN_PENDING = 64
+    """Pending keys a membership test scans (more are indexed first)."""
+
+    def __init__(self) -> None:
+        self._old: dict[bytes, None] = {}
+        self._old_order: list[bytes] = []
+        self._parked: list[bytes] = []
+        self._mid: dict[bytes, None] = {}
+        self._tail: dict[bytes, None] = {}
+        self._pending: list[bytes] = []
+        self._dead = 0  # stale slots in _old_order and _parked
+        self._holes = 0  # victims that left stale slots since the last trim
+
+    def _settle(self) -> None:
+        """Index the pending keys (into ``_tail``)."""
+        tail = self._tail
+        for key in self._pending:
+            tail[key] = None
+        self._pending.clear()
+
+    def __len__(self) -> int:
+        return len(self._old) + len(self._mid) + len(self._tail) + len(self._pending)
+
+    def __bool__(self) -> bool:
+        return bool(self._old or self._mid or self._tail or self._pending)
+
+    def __contains__(self, key: object) -> bool:
+        if key in self._mid or key in self._tail or key in self._old:
+            return True
+        pending = self._pending
+        if not pending:
+            return False
+        if len(pending) > self.SCAN_PENDING:
+            self._settle()
+            return key in self._tail
+        return key in pending
+
+    def __iter__(self) -> Iterator[bytes]:
+        """Oldest first; the order must not change while an iterator is in use."""
+        if self._pending:
+            self._settle()
+        if not self._dead:
+            return itertools.chain(self._parked, reversed(self._old_order), self._mid,
+                                   self._tail)
+        live = self._old.__contains__
+        return itertools.chain(filter(live, self._parked),
+                               filter(live, reversed(self._old_order)), self._mid, self._tail)
+
+    def __repr__(self) -> str:
+        return f"KeyOrder({list(self)!r})"
+
+    def present(self, keys: Iterable[bytes]) -> set[bytes]:
+        """The keys of ``keys`` in the order (a set, built at C speed)."""
+        if self._pending:
+            self._settle()
+        old, mid, tail = self._old, self._mid, self._tail
+        if not (mid or tail):
+            return old.keys() & keys
+        keys = keys if isinstance(keys, (list, tuple, set, frozenset)) else list(keys)
+        found = old.keys() & keys if old else set()
+        if mid:
+            found |= mid.keys() & keys
+        if tail:
+            found |= tail.keys() & keys
+        return found
+
+    # -- changes -----------------------------------------------------------------
+
+    def add(self, key: bytes) -> None:
+        """Append ``key`` as the newest, unless present (then its place is kept)."""
+        if self._pending:
+            self._settle()
+        if key not in self._old and key not in self._mid:
+            self._tail[key] = None
+
+    def add_many(self, keys: Iterable[bytes]) -> None:
+        """Append ``keys``, distinct and absent, in order (for keys that may be
+        present, use ``add``)."""
+        self._pending.extend(keys)
+
+    def discard(self, key: bytes) -> bool:
+        """Remove ``key`` if present; whether it was."""
+        if self._pending:
+            self._settle()
+        if key in self._mid:
+            del self._mid[key]
+        elif key in self._tail:
+            del self._tail[key]
+        elif key in self._old:
+            del self._old[key]
+            self._dead += 1
+        else:
+            return False
+        return True
+
+    def __delitem__(self, key: bytes) -> None:
+        if not self.discard(key):
+            raise KeyError(key)
+
+    def discard_many(self, keys: Iterable[bytes]) -> list[bytes]:
+        """Remove each of ``keys`` that is present; return those, in order."""
+        keys = keys if isinstance(keys, list) else list(keys)
+        if self._pending and not set(keys).isdisjoint(self._pending):
+            self._settle()
+        old, mid, tail = self._old, self._mid, self._tail
+        out: list[bytes] = []
+        stale = 0
+        for key in keys:
+            if key in mid:
+                del mid[key]
+            elif key in tail:
+                del tail[key]
+            elif key in old:
+                del old[key]
+                stale += 1
+            else:
+                continue
+            out.append(key)
+        self._dead += stale
+        return out
+
+    def move_to_end(self, key: bytes) -> None:
+        """Make ``key`` the newest; ``KeyError`` when absent."""
+        if key not in self:
+            raise KeyError(key)
+        self.to_end([key])
+
+    def to_end(self, keys: Iterable[bytes]) -> None:
+        """Move each of ``keys`` to the end in turn, adding absent ones (as
+        ``del d[k]`` if present, then ``d[k] = None``, on an ``OrderedDict``).
+
+        The keys end up newest, in the order of their last occurrence in
+        ``keys``; the keys added since the previous move and not in ``keys``
+        keep their place before them.
+        """
+        self._to_end(keys, True)
+
+    def move_present(self, keys: Iterable[bytes]) -> None:
+        """``to_end`` of the keys of ``keys`` that are present (others ignored)."""
+        self._to_end(keys, False)
+
+    def _to_end(self, keys: Iterable[bytes], add: bool) -> None:
+        keys = keys if isinstance(keys, list) else list(keys)
+        old, mid, tail, pending = self._old, self._mid, self._tail, self._pending
+        if pending:
+            n = len(pending)
+            if keys == pending[::-1] if len(keys) == n else keys[:n] == pending[::-1]:
+                # The common case: the keys added since the last move (a request's
+                # new blocks) are moved first, in reverse (its access, tail first).
+                if tail:  # added before them, not moved: stay before
+                    mid.update(tail)
+                    tail.clear()
+                for key in reversed(pending):
+                    mid[key] = None
+                pending.clear()
+                if len(keys) == n:
+                    return
+                keys = keys[n:]
+            else:
+                self._settle()
+        moved: list[bytes] = []
+        append = moved.append
+        stale = missing = 0
+        for key in keys:
+            if key in tail:
+                del tail[key]
+            elif key in mid:
+                del mid[key]
+            elif key in old:
+                del old[key]
+                stale += 1
+            else:
+                missing += 1  # absent, or a repeat
+                if not add:
+                    continue
+            append(key)
+        self._dead += stale
+        if tail:  # added before, not moved: they stay before the moved keys
+            mid.update(tail)
+            tail.clear()
+        if missing and len(set(keys)) != len(keys):  # a key twice: its last occurrence
+            found = set(moved)
+            moved = [k for k in reversed(dict.fromkeys(reversed(keys))) if k in found]
+        for key in moved:
+            mid[key] = None
+
+    # -- the oldest end ----------------------------------------------------------
+
+    def pop_oldest(self) -> bytes:
+        """Remove and return the oldest key; ``KeyError`` when empty."""
+        if self._pending:
+            self._settle()
+        if not self._old:
+            if not (self._mid or self._tail):
+                raise KeyError("pop_oldest from an empty KeyOrder")
+            self._rebuild()
+        old, parked = self._old, self._parked
+        while parked:
+            key = parked.pop(0)
+            if key in old:
+                del old[key]
+                return key
+            self._dead -= 1
+        order = self._old_order
+        while True:
+            key = order.pop()
+            if key in old:
+                del old[key]
+                return key
+            self._dead -= 1
+
+    def pop_oldest_many(self, n: int) -> list[bytes]:
+        """Remove and return the ``n`` oldest keys, oldest first (fewer if shorter)."""
+        out: list[bytes] = []
+        if n <= 0:
+            return out
+        if self._pending:
+            self._settle()
+        while len(out) < n:
+            if not self._old:
+                if not (self._mid or self._tail):
+                    break
+                self._rebuild()
+            if self._parked:
+                out.append(self.pop_oldest())
+                continue
+            old, order = self._old, self._old_order
+            append = out.append
+            dead = 0
+            while old and len(out) < n:
+                key = order.pop()
+                if key in old:
+                    del old[key]
+                    append(key)
+                else:
+                    dead += 1
+            self._dead -= dead
+        return out
+
+    def take_oldest(self, n: int, *skip: Container[bytes]) -> list[bytes] | None:
+        """Remove and return the ``n`` oldest keys in none of ``skip``, oldest
+        first; None (nothing changed) when there are fewer."""
+        if n <= 0:
+            return []
+        if self._pending:
+            self._settle()
+        old, order = self._old, self._old_order
+        if not self._parked and len(order) >= n:
+            last = order[-n:]
+            for container in (old, *skip) if self._dead else skip:
+                if container is old:
+                    if not all(map(old.__contains__, last)):
+                        break
+                    continue
+                if not container:
+                    continue
+                disjoint = getattr(container, "isdisjoint", None)
+                if disjoint is None or not disjoint(last):
+                    break
+            else:  # the common case: the n oldest keys, at C speed
+                del order[-n:]
+                last.reverse()
+                for key in last:
+                    del old[key]
+                if not old:
+                    self._rebuild()
+                return last
+        victims = take(iter(self), n, *skip)
+        if len(victims) < n:
+            return None
+        self.evicted(victims, *skip)
+        return victims
+
+    def evicted(self, victims: Iterable[bytes], *skipped: Container[bytes]) -> None:
+        """Remove ``victims``, found by a scan from the oldest end, and give
+        back the list slots they leave.
+
+        The keys in ``skipped`` are those that scan passed over without taking
+        them (blocked, protected). When the scan went past the old part it is
+        rebuilt; otherwise, once ``TRIM_EVERY`` keys left the old part, the
+        stale slots at the end of its list are cut off, setting aside the
+        skipped keys that hide them.
+        """
+        victims = victims if isinstance(victims, list) else list(victims)
+        if self._pending:
+            self._settle()
+        old, order = self._old, self._old_order
+        n = len(victims)
+        last = victims[-1] if n else None
+        if (n and not self._parked and len(order) >= n and order[-n] is last
+                and last in old):
+            # The common case: the victims are the last n slots of the list (a
+            # scan that took its last victim, live in the old part, n slots from
+            # the end took every slot it passed).
+            del order[-n:]
+            for key in victims:
+                del old[key]
+            if not old:
+                self._rebuild()
+            return
+        mid, tail = self._mid, self._tail
+        past_old = False
+        holes = 0
+        for key in victims:
+            try:
+                del old[key]
+                holes += 1
+            except KeyError:
+                past_old = True
+                if key in mid:
+                    del mid[key]
+                else:
+                    del tail[key]
+        self._dead += holes
+        self._holes += holes
+        if past_old or not old:
+            self._rebuild()
+        elif self._holes >= self.TRIM_EVERY:
+            self._trim(skipped)
+
+    def _trim(self, skipped: tuple[Container[bytes], ...]) -> None:
+        """Cut the stale slots off the end of ``_old_order``, parking the keys
+        ``skipped`` that sit at its end."""
+        old, order, parked = self._old, self._old_order, self._parked
+        live = old.__contains__
+        if parked:
+            before = len(parked)
+            parked[:] = filter(live, parked)
+            self._dead -= before - len(parked)
+        while order:
+            # the first live slot from the end, found at C speed
+            n = next(itertools.compress(itertools.count(), map(live, reversed(order))),
+                     len(order))
+            if n:
+                del order[len(order) - n:]
+                self._dead -= n
+            if not order or not any(order[-1] in c for c in skipped):
+                break
+            parked.append(order.pop())
+        self._holes = 0
+
+    def _rebuild(self) -> None:
+        """One old part holding every key, in order (stale slots dropped)."""
+        if self._pending:
+            self._settle()
+        old = self._old
+        live = old.__contains__
+        keep = list(filter(live, self._old_order)) if old else []
+        parked = list(filter(live, self._parked)) if old else []
+        if self._mid:
+            merged = self._mid
+            merged.update(self._tail)
+        else:  # a queue (keys leave from the oldest end only): reuse the tail's dict
+            merged = self._tail
+        order = list(reversed(merged))
+        merged.update(old)
+        order += keep
+        self._old, self._old_order, self._parked = merged, order, parked
+        self._mid, self._tail = {}, {}
+        self._dead = self._holes = 0
+
+    def clear(self) -> None:
+        """Forget every key."""
+        self._old, self._old_order, self._parked = {}, [], []
+        self._mid, self._tail = {}, {}
+        self._pending = []
+        self._dead = self._holes = 0
+
+
+def take(keys: Iterator[bytes], k: int, *skip: Container[bytes]) -> list[bytes]:
+    """The next ``k`` keys of ``keys`` that are in none of ``skip`` (fewer when
+    ``keys`` runs out), at C speed; ``keys`` is left just after the last one."""
+    if k <= 0:
+        return []
+    for container in skip:
+        if container:
+            keys = itertools.filterfalse(container.__contains__, keys)
+    return list(itertools.islice(keys, k))

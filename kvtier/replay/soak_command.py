@@ -1,0 +1,111 @@
+"""``kvtier soak``: the soak's command line (``kvtier.replay.soak``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from kvtier.argtypes import positive_int
+from kvtier.errors import PROG, CommandError
+from kvtier.progress import make_progress
+from kvtier.replay.mix import DEFAULT_KINDS
+
+SHOWN = ("manager.table", "manager.tracker_size", "manager.history_size", "manager.events",
+         "cascade.uses", "cascade.tiers.disk.index", "cascade.probes.redis.known",
+         "cascade.queued_writes")
+"""Sizes printed per sample without ``--json`` (all are in the JSON)."""
+
+
+def add_soak_parser(commands: Any) -> None:
+    """Register ``kvtier soak``."""
+    p = commands.add_parser(
+        "soak", help="generated traffic through the manager, disk and Redis, sampling memory",
+        description="Drive generated traffic (a mix of kvtier generate kinds) through a real "
+        "OffloadManager and TierCascade with a disk tier and a Redis tier on a local "
+        "redis-server, and sample the RSS and the size of every bounded structure. Exit "
+        "status 1 when a structure went past its stated bound.")
+    p.add_argument("--requests", type=positive_int, default=1_000_000, metavar="N")
+    p.add_argument("--cpu-blocks", type=positive_int, default=4_000, metavar="N",
+                   help="CPU slots (default 4000)")
+    p.add_argument("--disk-blocks", type=int, default=16_000, metavar="N",
+                   help="disk tier blocks, 0 for none (default 16000)")
+    p.add_argument("--redis-maxmemory", type=positive_int, default=64 << 20, metavar="BYTES",
+                   help="the local redis-server's maxmemory (default 64 MiB)")
+    p.add_argument("--no-redis", action="store_true", help="no Redis tier")
+    p.add_argument("--policy", default="default", help="eviction policy (default: default)")
+    p.add_argument("--kinds", default=",".join(DEFAULT_KINDS), metavar="K[,K...]",
+                   help=f"workload kinds mixed (default {','.join(DEFAULT_KINDS)})")
+    p.add_argument("--sample-every", type=positive_int, default=None, metavar="N",
+                   help="requests between samples (default: 100 samples)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true",
+                   help="one JSON object per sample, then the summary")
+    p.add_argument("--plot", type=Path, default=None, metavar="OUT.png",
+                   help="RSS and structure fill against requests")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_soak)
+
+
+def cmd_soak(args: argparse.Namespace) -> int:
+    """Run the soak; print samples and the summary; 1 on a bound violation."""
+    from kvtier.replay.soak import Sample, SoakConfig, run_soak
+
+    kinds = tuple(k.strip() for k in args.kinds.split(",") if k.strip())
+    every = args.sample_every or max(1, args.requests // 100)
+    config = SoakConfig(requests=args.requests, cpu_blocks=args.cpu_blocks,
+                        disk_blocks=args.disk_blocks, redis=not args.no_redis,
+                        redis_maxmemory=args.redis_maxmemory, policy=args.policy,
+                        kinds=kinds, sample_every=every, seed=args.seed)
+    try:
+        config.check()
+    except ValueError as exc:
+        raise CommandError(str(exc)) from None
+    progress = make_progress(args.requests, not args.no_progress, unit="req")
+    if not args.json:
+        progress.write("  ".join(["requests", "seconds", "RSS MiB", *SHOWN]))
+
+    def show(sample: Sample) -> None:
+        if args.json:
+            progress.write(json.dumps(sample.to_dict()))
+        else:
+            cells = [str(sample.requests), f"{sample.seconds:.0f}",
+                     f"{sample.rss_bytes / 2**20:.1f}",
+                     *(str(sample.sizes.get(name, "-")) for name in SHOWN)]
+            progress.write("  ".join(cells))
+
+    try:
+        result = run_soak(config, on_sample=show, progress=progress.update)
+    except FileNotFoundError as exc:  # no redis-server
+        raise CommandError(f"{exc} (or run with --no-redis)") from None
+    finally:
+        progress.close()
+    summary = result.summary()
+    print(json.dumps({"summary": summary, "bounds": result.bounds}) if args.json
+          else _summary_text(summary))
+    if args.plot is not None:
+        from kvtier.replay.plot import PlotError
+        from kvtier.replay.soak_plot import plot_soak
+
+        try:
+            plot_soak(result.samples, result.bounds, args.plot,
+                      title=f"kvtier soak: {args.requests:,} requests, {args.policy}, "
+                      f"{args.cpu_blocks:,} CPU + {args.disk_blocks:,} disk blocks"
+                      + ("" if args.no_redis else " + Redis"))
+        except PlotError as exc:
+            raise CommandError(str(exc)) from None
+        print(f"{PROG}: wrote plot {args.plot}")
+    return 1 if summary["violations"] else 0
+
+
+def _summary_text(summary: dict[str, Any]) -> str:
+    lines = [f"{summary['requests']:,} requests in {summary['seconds']:.0f} s "
+             f"({summary['requests_per_s']} req/s)",
+             f"RSS {summary['rss_mib_start']} MiB at start, {summary['rss_mib_end']} MiB at the "
+             f"end (peak {summary['rss_mib_peak']}); growth after warm-up "
+             f"{summary['rss_growth_after_warmup_mib']} MiB"]
+    violations = summary["violations"]
+    lines.append("every structure within its bound" if not violations
+                 else "over their bounds: " + "; ".join(violations))
+    return "\n".join(lines)
