@@ -184,6 +184,42 @@ def test_promotion_round_trip_from_disk(tmp_path: Path, region: SlotRegion) -> N
     assert not any(t.is_alive() for t in c._pool._threads)
 
 
+class Slow(DelegatingTier):
+    """A real tier whose reads and writes each take ``delay_s`` longer."""
+
+    def __init__(self, inner: Tier, delay_s: float) -> None:
+        super().__init__(inner)
+        self.delay_s = delay_s
+
+    def get_into(self, keys: Sequence[bytes], buffers: Sequence[BytesLike]) -> list[int | None]:
+        time.sleep(self.delay_s)
+        return self.inner.get_into(keys, buffers)
+
+    def put(self, items: Sequence[tuple[bytes, BytesLike]]) -> list[bool]:
+        time.sleep(self.delay_s)
+        return self.inner.put(items)
+
+
+@pytest.mark.parametrize("delay_s", [0.0, 0.2])
+def test_time_spent_in_a_tier_shows_in_its_stats(tmp_path: Path, region: SlotRegion,
+                                                 delay_s: float) -> None:
+    c = TierCascade(OffloadManager(SLOTS), region, [Slow(disk(tmp_path), delay_s)])
+    try:
+        store(c, region, [0])
+        assert c.drain(10)
+        evict_all(c, region)
+        k = block_key(0)
+        assert settle(c, k, RequestContext("r")) is HIT
+        st = c.tier_stats()["disk"]
+        slow = int(delay_s * 1000)
+        assert isinstance(st["read_ms"], int) and isinstance(st["write_ms"], int)
+        assert (st["read_ms"] >= slow) and (st["write_ms"] >= slow)
+        if not delay_s:  # a fast tier: far below the slow one's figure
+            assert st["read_ms"] < 200 and st["write_ms"] < 200 * (1 + SLOTS)
+    finally:
+        c.shutdown()
+
+
 def test_resident_key_refused_for_lease_budget_is_not_promoted(
     tmp_path: Path, region: SlotRegion
 ) -> None:

@@ -258,7 +258,7 @@ def test_every_reported_metric_is_defined() -> None:
                                   "writes_not_admitted", "write_failures", "dropped_writes",
                                   "promotion_failures", "promotions_deferred",
                                   "duplicate_writes_skipped")}
-    tiers = {"disk": {"hits": 2, "corrupt": 1, "available": True},
+    tiers = {"disk": {"hits": 2, "corrupt": 1, "read_ms": 7, "available": True},
              "redis": {"errors": 3, "available": False}}
     reported: dict[str, int] = {}
     sizes = [3, 1]
@@ -274,6 +274,7 @@ def test_every_reported_metric_is_defined() -> None:
         assert all(len(labels) == len(defs[name].labelnames) for labels in by_labels), name
     assert values["vllm:kvtier_tier_available"][("redis",)] == 0
     assert values["vllm:kvtier_tier_corrupt"][("disk",)] == 1
+    assert values["vllm:kvtier_tier_read_ms"][("disk",)] == 7
     again = fill_stats(stats, 10, reported, tiers, store_threshold=2).data["data"]  # no increase
     assert "vllm:kvtier_tier_corrupt" not in again and "vllm:kvtier_hits" not in again
     assert "vllm:kv_offload_stores_skipped" not in again

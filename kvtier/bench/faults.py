@@ -96,6 +96,8 @@ class FaultResult:
     kvtier_tokens: float = 0.0
     tier_errors: dict[str, float] = field(default_factory=dict)
     counters: dict[str, float] = field(default_factory=dict)
+    disk_ms_per_read: float = 0.0
+    """Milliseconds per disk block read (``tier_read_ms`` over hits + misses)."""
     probe_answer: str = ""
     probe_same: bool = True
     skipped: str = ""
@@ -291,7 +293,15 @@ def _result(fault: str, client: dict[str, Any], samples: prom.Samples, answer: s
         ttft_max_ms=1000.0 * max(ttfts) if ttfts else 0.0,
         kvtier_tokens=sum(v for k, v in cached.items() if k != "device"),
         tier_errors=dict(prom.by_label(samples, "vllm:kvtier_tier_errors_total", "tier")),
-        counters=counters, probe_answer=answer, probe_same=answer == before)
+        counters=counters, disk_ms_per_read=_disk_ms_per_read(samples),
+        probe_answer=answer, probe_same=answer == before)
+
+
+def _disk_ms_per_read(samples: prom.Samples) -> float:
+    reads = sum(prom.value(samples, f"vllm:kvtier_tier_{n}_total", tier="disk")
+                for n in ("hits", "misses"))
+    busy = prom.value(samples, "vllm:kvtier_tier_read_ms_total", tier="disk")
+    return busy / reads if reads else 0.0
 
 
 # -- all runs ------------------------------------------------------------------------
@@ -320,8 +330,9 @@ def run_all(s: FaultSettings, say: Any = print) -> list[FaultResult]:
 
 
 HEADER = ("fault", "done", "failed", "p99 TTFT", "/clean", "max-clean p99", "kvtier tok",
-          "lost", "tier errors", "write fail", "promo fail", "probe same")
-_ROW = "{:<13} {:>5} {:>6} {:>9} {:>6} {:>13} {:>10} {:>5} {:>16} {:>10} {:>10} {:>10}"
+          "lost", "tier errors", "write fail", "promo fail", "disk ms/read", "probe same")
+_ROW = ("{:<13} {:>5} {:>6} {:>9} {:>6} {:>13} {:>10} {:>5} {:>16} {:>10} {:>10} {:>12}"
+        " {:>10}")
 
 
 def table(results: list[FaultResult]) -> list[str]:
@@ -342,7 +353,7 @@ def table(results: list[FaultResult]) -> list[str]:
             r.fault, r.completed, r.failed, f"{r.ttft_p99_ms:.0f}ms", f"{ratio:.2f}",
             f"{over:+.2f}s", f"{r.kvtier_tokens:.0f}", f"{lost:.0%}", errors,
             f"{c.get('write_failures', 0) + c.get('dropped_writes', 0):.0f}", f"{promo:.0f}",
-            "yes" if r.probe_same else "NO"))
+            f"{r.disk_ms_per_read:.1f}", "yes" if r.probe_same else "NO"))
     lines.append(f"bound on max - clean p99 (probe_timeout_s + promotion_timeout_s): "
                  f"{TIMEOUT_BOUND_S:.1f} s")
     return lines

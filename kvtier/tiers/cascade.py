@@ -183,6 +183,10 @@ class TierCascade:
         self._pending_writes = 0
         self._probes_in_flight = 0
         self.counters = dict.fromkeys(COUNTERS, 0)
+        # Seconds I/O threads spent in each tier's calls: "read" (promotions)
+        # and "write" (writes with their presence check); one entry per tier.
+        self._busy: dict[str, dict[str, float]] = {
+            kind: dict.fromkeys((t.name for t in tiers), 0.0) for kind in ("read", "write")}
         self._store_tier_names = [low.tier.name for low in self.lower if low.write == "store"]
         if any(low.write == "evict" for low in self.lower):
             manager.set_eviction_listener(self._on_evict)
@@ -329,6 +333,10 @@ class TierCascade:
             self._apply(job)
 
     def _apply(self, job: Job) -> None:
+        if not isinstance(job, ProbeJob):
+            busy = self._busy["read" if isinstance(job, PromotionJob) else "write"]
+            for name, seconds in job.busy.items():
+                busy[name] = busy.get(name, 0.0) + seconds
         if isinstance(job, PromotionJob):
             self._finish_promotion(job)
         elif isinstance(job, ProbeJob):
@@ -569,11 +577,15 @@ class TierCascade:
         return state
 
     def tier_stats(self) -> dict[str, dict[str, object]]:
-        """Each lower tier's ``stats()`` plus ``available``, by tier name."""
+        """Each lower tier's ``stats()`` plus ``available`` and ``read_ms`` /
+        ``write_ms`` (milliseconds I/O threads spent in its reads and writes), by
+        tier name."""
         out: dict[str, dict[str, object]] = {}
         for tier in self.tiers:
             try:
-                out[tier.name] = {**tier.stats(), "available": tier.available}
+                out[tier.name] = {**tier.stats(), "available": tier.available,
+                                  "read_ms": int(self._busy["read"].get(tier.name, 0.0) * 1000),
+                                  "write_ms": int(self._busy["write"].get(tier.name, 0.0) * 1000)}
             except Exception as exc:
                 self._warn.warning("kvtier cascade: %s stats failed: %s", tier.name, exc)
         return out

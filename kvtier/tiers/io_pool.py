@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -36,7 +37,8 @@ class SlotSource(Protocol):
 @dataclass(slots=True)
 class PromotionJob:
     """Blocks to read into reserved slots; each tier of ``tiers`` is tried in
-    order for the keys still missing. ``ok[i]`` / ``source[i]``: result per key."""
+    order for the keys still missing. ``ok[i]`` / ``source[i]``: result per key;
+    ``busy``: seconds spent in each tier's reads, by tier name."""
 
     keys: list[bytes]
     slots: list[int]
@@ -44,6 +46,7 @@ class PromotionJob:
     started: float
     ok: list[bool] = field(default_factory=list)
     source: list[str] = field(default_factory=list)
+    busy: dict[str, float] = field(default_factory=dict)
 
     def run(self, region: SlotSource | None) -> None:
         self.ok = [False] * len(self.keys)
@@ -57,11 +60,14 @@ class PromotionJob:
                 return
             if not tier.available:
                 continue
+            t0 = time.perf_counter()
             try:
                 sizes = tier.get_into([self.keys[i] for i in todo], [buffers[i] for i in todo])
             except Exception as exc:
                 _warn.warning("kvtier cascade: %s read failed: %s", tier.name, exc)
                 continue
+            finally:
+                self.busy[tier.name] = self.busy.get(tier.name, 0.0) + time.perf_counter() - t0
             for i, n in zip(todo, sizes, strict=True):
                 if n == buffers[i].nbytes:
                     self.ok[i], self.source[i] = True, tier.name
@@ -92,7 +98,8 @@ class ProbeJob:
 @dataclass(slots=True)
 class WriteJob:
     """Blocks to copy to ``tiers``: from pinned ``slots``, or from ``copies``
-    (owned bytes of evicted slots) when set. Counts per block and tier."""
+    (owned bytes of evicted slots) when set. Counts per block and tier;
+    ``busy``: seconds spent in each tier's calls, by tier name."""
 
     keys: list[bytes]
     slots: list[int]
@@ -101,6 +108,7 @@ class WriteJob:
     written: int = 0
     skipped: int = 0
     failed: int = 0
+    busy: dict[str, float] = field(default_factory=dict)
 
     def run(self, region: SlotSource | None) -> None:
         if self.copies is not None:
@@ -114,6 +122,7 @@ class WriteJob:
             if not tier.available:
                 self.failed += len(self.keys)
                 continue
+            t0 = time.perf_counter()
             try:
                 held = tier.contains(self.keys)
                 items = [(k, b) for k, b, h in zip(self.keys, sources, held, strict=True) if not h]
@@ -125,6 +134,8 @@ class WriteJob:
             except Exception as exc:
                 self.failed += len(self.keys)
                 _warn.warning("kvtier cascade: %s write failed: %s", tier.name, exc)
+            finally:
+                self.busy[tier.name] = self.busy.get(tier.name, 0.0) + time.perf_counter() - t0
 
 
 Job = PromotionJob | ProbeJob | WriteJob
