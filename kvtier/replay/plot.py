@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from kvtier.replay.driver import ReplayResult
 
@@ -12,12 +13,8 @@ class PlotError(Exception):
     """The plot could not be made (matplotlib missing, or the file not written)."""
 
 
-def plot_results(results: Sequence[ReplayResult], path: str | Path, title: str = "") -> None:
-    """One line per policy (and store threshold, when several), OPT dashed, infinite dotted.
-
-    The x axis is the capacity in blocks (log scale); the y axis the prefix-hit
-    ratio (block hits for the bounds).
-    """
+def pyplot() -> Any:
+    """matplotlib's pyplot on the file-only Agg backend; PlotError when missing."""
     try:
         import matplotlib
 
@@ -25,6 +22,24 @@ def plot_results(results: Sequence[ReplayResult], path: str | Path, title: str =
         import matplotlib.pyplot as plt
     except ImportError:
         raise PlotError("--plot needs matplotlib: pip install matplotlib") from None
+    return plt
+
+
+def save_figure(fig: Any, path: str | Path) -> None:
+    """Write ``fig`` to ``path``; PlotError naming the path when it cannot."""
+    try:
+        fig.savefig(path)
+    except OSError as exc:
+        raise PlotError(f"cannot write plot {path}: {exc.strerror or exc}") from None
+
+
+def plot_results(results: Sequence[ReplayResult], path: str | Path, title: str = "") -> None:
+    """One line per policy (and store threshold, when several), OPT dashed, infinite dotted.
+
+    The x axis is the capacity in blocks (log scale); the y axis the prefix-hit
+    ratio (block hits for the bounds).
+    """
+    plt = pyplot()
     thresholds = {r.store_threshold for r in results if r.policy not in ("opt", "infinite")}
     lines: dict[str, list[tuple[int, float]]] = {}
     for r in results:
@@ -56,9 +71,6 @@ def plot_results(results: Sequence[ReplayResult], path: str | Path, title: str =
             ax.set_title(title)
         ax.legend(fontsize="small")
         fig.tight_layout()
-        try:
-            fig.savefig(path)
-        except OSError as exc:
-            raise PlotError(f"cannot write plot {path}: {exc.strerror or exc}") from None
+        save_figure(fig, path)
     finally:
         plt.close(fig)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from kvtier.replay.plot import PlotError
+from kvtier.replay.plot import pyplot, save_figure
 from kvtier.replay.soak import Sample
 
 MAX_LINES = 14
@@ -17,13 +17,7 @@ def plot_soak(samples: Sequence[Sample], limits: Mapping[str, int], path: str | 
               title: str = "") -> None:
     """Two panels sharing the x axis (requests served): the resident set size
     in MiB, and size / bound of the structures that were ever non-empty."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise PlotError("--plot needs matplotlib: pip install matplotlib") from None
+    plt = pyplot()
     xs = [s.requests for s in samples]
     peaks = {name: max(s.sizes.get(name, 0) for s in samples) / bound
              for name, bound in limits.items() if bound > 0}
@@ -46,9 +40,6 @@ def plot_soak(samples: Sequence[Sample], limits: Mapping[str, int], path: str | 
         bottom.grid(True, alpha=0.3)
         bottom.legend(fontsize=6.5, loc="lower right", ncol=2)
         fig.tight_layout()
-        try:
-            fig.savefig(path)
-        except OSError as exc:
-            raise PlotError(f"cannot write plot {path}: {exc.strerror or exc}") from None
+        save_figure(fig, path)
     finally:
         plt.close(fig)
