@@ -148,7 +148,7 @@ def test_random_operations_keep_the_contract(capacity: int, ops: list, seed: int
 def _bound(pol: AdaptivePolicy) -> int:
     """The docstring's memory bound, in keys."""
     factor = max(AdaptivePolicy.FACTORS) + 4
-    shadows = 2 * len(AdaptivePolicy.FACTORS) * pol._shadow_capacity
+    shadows = 2 * len(AdaptivePolicy.CANDIDATES) * pol._shadow_capacity
     return factor * (pol.capacity + shadows)
 
 

@@ -16,17 +16,19 @@ class _Shadow:
     """A miniature PLFU over the sampled keys: one candidate configuration.
 
     Owns a :class:`PLFUPolicy` of ``capacity`` blocks (nothing is ever blocked
-    or protected in it) and the hits it scored since the last decision.
+    or protected in it), the set of its resident keys (a membership test that
+    costs less than the policy's), and its scores.
     ``admission``: a new key is stored only if the history knows it, or if
     there is room without evicting (the rule :meth:`AdaptivePolicy.admit`
     applies to the real cache).
     """
 
-    __slots__ = ("policy", "capacity", "history_factor", "admission", "hits", "score",
-                 "spread", "last")
+    __slots__ = ("policy", "resident", "capacity", "history_factor", "admission", "hits",
+                 "score", "spread", "last")
 
     def __init__(self, capacity: int, history_factor: int, admission: bool) -> None:
         self.policy = PLFUPolicy(capacity, history_factor=history_factor)
+        self.resident: set[bytes] = set()  # the policy's keys (it evicts only when told)
         self.capacity = capacity
         self.history_factor = history_factor
         self.admission = admission
@@ -37,13 +39,12 @@ class _Shadow:
 
     def access(self, keys: list[bytes]) -> None:
         """One request's sampled keys, head first: count hits, store misses, apply."""
-        p = self.policy
-        window, main = p._window, p._meta
-        missing = [k for k in keys if k not in main and k not in window]
+        p, resident = self.policy, self.resident
+        missing = [k for k in keys if k not in resident]
         self.last = len(keys) - len(missing)
         self.hits += self.last
         if missing:
-            room = self.capacity - len(p)
+            room = self.capacity - len(resident)
             if self.admission and len(missing) > room:
                 counts = p._counts
                 n = 0
@@ -53,10 +54,13 @@ class _Shadow:
                     n += 1
                 missing = missing[:max(n, room)]
             if missing:
-                over = len(p) + len(missing) - self.capacity
+                over = len(resident) + len(missing) - self.capacity
                 if over > 0:
-                    p.evict(over, ())
+                    victims = p.evict(over, ())
+                    if victims:
+                        resident.difference_update(victims)
                 p.insert(missing)
+                resident.update(missing)
         p.on_access(keys, ())
 
 
@@ -69,7 +73,7 @@ class AdaptivePolicy(PLFUPolicy):
     Owns, besides PLFU's state (see :class:`PLFUPolicy`):
 
     * ``shadows``: one miniature PLFU per candidate configuration
-      (``FACTORS`` x admission off/on), each of ``rate * capacity`` blocks, fed
+      (``CANDIDATES``), each of ``rate * capacity`` blocks, fed
       the keys whose CRC-32 falls in the sampled ``rate`` of the hash space
       (spatial sampling, as SHARDS does: a sampled key is sampled in every
       request). Each scores its hits, decayed by ``DECAY`` per epoch of
@@ -91,34 +95,40 @@ class AdaptivePolicy(PLFUPolicy):
 
     Memory: PLFU's bound with the largest history (``max(FACTORS) *
     capacity`` history keys, about ``3 * capacity`` ghosts), plus the shadows:
-    ``len(FACTORS) * 2`` miniatures of ``rate * capacity`` blocks with the same
+    ``len(CANDIDATES)`` miniatures of ``rate * capacity`` blocks with the same
     bounds each, where ``rate`` is at most ``MAX_RATE``; in all at most about
-    ``(max(FACTORS) + 4) * capacity * (1 + 2 * len(FACTORS) * rate)`` keys.
+    ``(max(FACTORS) + 4) * capacity * (1 + len(CANDIDATES) * rate)`` keys.
     """
 
     name = "adaptive"
     wants_admission = True
 
     FACTORS = (4, 8, 16, 32)
-    """Candidate history lengths, in multiples of the capacity."""
+    """Candidate history lengths with admission, in multiples of the capacity
+    (with admission on, the history is also the doorkeeper's memory)."""
+    CANDIDATES = ((8, False), *((f, True) for f in FACTORS))
+    """(history factor, admission) of each shadow: PLFU as it is, and PLFU with
+    admission over each history length (without admission, the history length
+    changed little in measurement)."""
     START = (8, False)
     """Configuration before the first decision (PLFU's)."""
-    SHADOW_BLOCKS = 128
+    SHADOW_BLOCKS = 64
     """Shadow size aimed at: the sampling rate is ``SHADOW_BLOCKS / capacity``..."""
-    MAX_RATE = 1 / 8
+    MAX_RATE = 1 / 32
     """...at most this (small caches: the shadows cost at most this share each)..."""
-    MIN_RATE = 1 / 64
+    MIN_RATE = 1 / 128
     """...and at least this (large caches get larger shadows)."""
     MIN_SHADOW = 8
     """Smallest shadow capacity, in blocks."""
     DECAY = 1 - 1 / max(FACTORS)
     """Weight of the previous score at each epoch: scores remember about as many
     accesses as the longest candidate history reaches back."""
-    Z = 2.0
+    Z = 1.0
     """A configuration replaces the active one only when its score is ahead by more
     than ``Z`` standard deviations of the difference (estimated from the
-    per-request differences of the two shadows, which see the same keys), so
-    noise alone rarely switches."""
+    per-request differences of the two shadows, which see the same keys): a
+    one-sigma hysteresis, so a tie does not flip-flop and a clear lead is
+    followed within a few epochs."""
 
     def __init__(self, capacity: int) -> None:
         super().__init__(capacity, history_factor=self.START[0])
@@ -130,7 +140,7 @@ class AdaptivePolicy(PLFUPolicy):
 
     def _init_adaptive(self) -> None:
         self.shadows = [_Shadow(self._shadow_capacity, f, adm)
-                        for f in self.FACTORS for adm in (False, True)]
+                        for f, adm in self.CANDIDATES]
         self._active = [(s.history_factor, s.admission) for s in self.shadows].index(
             self.START)
         self.history_factor, self.admission = self.START
