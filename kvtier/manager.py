@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Container, Iterable
 from typing import Any
 
 from kvtier.admission import AdmissionTracker
@@ -345,6 +345,8 @@ class OffloadManager:
         candidates = self._record_offer(keys, ctx)
         if candidates and self._tracker is not None:
             candidates = self._admit(candidates, ctx)
+        if candidates and self.policy.wants_admission:
+            candidates = self._policy_admit(candidates, ctx)
         if not candidates:
             return PrepareStoreOutput([], [], [])
         if self.policy.wants_store_misses:
@@ -385,6 +387,24 @@ class OffloadManager:
             seen.update(new_skips)
             self.stores_skipped += len(new_skips)
         return admitted
+
+    def _policy_admit(self, candidates: list[bytes], ctx: RequestContext) -> list[bytes]:
+        """The leading candidates the policy stores; the rest are declined (reported
+        once per request in ``stores_skipped``, and kept in the request's access)."""
+        n = self.policy.admit(candidates)
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= len(candidates):
+            raise ProtocolError(
+                f"{type(self.policy).__name__}.admit returned {n!r}, not an int in "
+                f"0..{len(candidates)}")
+        if n == len(candidates):
+            return candidates
+        declined = candidates[n:]
+        seen = ctx.skipped
+        new_skips = [k for k in declined if k not in seen] if seen else declined
+        seen.update(new_skips)
+        self.stores_skipped += len(new_skips)
+        ctx.declined.update(declined)
+        return candidates[:n]
 
     def _show_store_misses(self, candidates: list[bytes], ctx: RequestContext) -> None:
         checked = ctx.ghost_checked
@@ -595,7 +615,10 @@ class OffloadManager:
         self._sync(ctx)
         self._drop_leases(ctx)
         if ctx.access_log:
-            self.policy.on_access(ctx.access_order(self._slot), ctx.reused)
+            held: Container[bytes] = self._slot
+            if ctx.declined:
+                held = _Either(self._slot, ctx.declined)
+            self.policy.on_access(ctx.access_order(held), ctx.reused)
         ctx.clear_request_state()
         ctx.positions = {}  # rebind: the dict may be shared with the engine
 
@@ -711,6 +734,18 @@ class OffloadManager:
             f"history spans {self._history.span_seconds(now):.3f} s over "
             f"{len(self._history)} keys"
         )
+
+
+class _Either:
+    """Membership in either of two containers (resident keys or declined ones)."""
+
+    __slots__ = ("_a", "_b")
+
+    def __init__(self, a: Container[bytes], b: Container[bytes]) -> None:
+        self._a, self._b = a, b
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._a or key in self._b
 
 
 def _without_stale(

@@ -22,6 +22,8 @@ class RequestContext:
     * ``counted`` / ``skipped`` / ``ghost_checked``: keys already counted by
       admission, already reported as skipped, already shown to the policy as a
       store miss (each happens once per request);
+    * ``declined``: new keys of its offers that the eviction policy declined
+      to store (``EvictionPolicy.admit``); its access still counts them;
     * ``tier_counted``: keys the tier cascade already counted as used by this
       request (its per-tier admission, ``kvtier.tiers.cascade``);
     * ``leased``: keys leased to it by ``lookup`` (at most the manager's
@@ -46,6 +48,7 @@ class RequestContext:
         "counted",
         "tier_counted",
         "skipped",
+        "declined",
         "ghost_checked",
         "leased",
         "loading",
@@ -68,6 +71,7 @@ class RequestContext:
         self.counted: set[bytes] = set()
         self.tier_counted: set[bytes] = set()
         self.skipped: set[bytes] = set()
+        self.declined: set[bytes] = set()
         self.ghost_checked: set[bytes] = set()
         self.leased: set[bytes] = set()
         self.loading: dict[bytes, int] = {}
@@ -128,6 +132,7 @@ class RequestContext:
         self.counted.clear()
         self.tier_counted.clear()
         self.skipped.clear()
+        self.declined.clear()
         self.ghost_checked.clear()
         self.leased.clear()
 

@@ -98,7 +98,7 @@ def test_unknown_policy_exits_2_listing_known(capsys: pytest.CaptureFixture[str]
                           "--policy", "lru,lfu")
     assert code == 2 and out == ""
     assert err.startswith("kvtier: error: unknown eviction policy 'lfu'")
-    assert "known policies: arc, lru" in err
+    assert "known policies: adaptive, arc, lru" in err
 
 
 def test_malformed_line_reports_line_3(capsys: pytest.CaptureFixture[str],

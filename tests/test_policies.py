@@ -282,3 +282,71 @@ def test_arc_t1_plus_b1_within_capacity_after_insert() -> None:
     t1, _, b1, _ = arc_lists(mgr)
     assert t1 == [b, c]
     assert len(t1) + len(b1) <= 2
+
+
+# -- every registered policy keeps the contract ------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(kvtier.POLICIES))
+@pytest.mark.parametrize("seed", range(6))
+def test_every_policy_keeps_the_contract_under_random_use(name: str, seed: int) -> None:
+    """Atomic eviction (a failed ``evict`` changes nothing: a copy taken before
+    it behaves the same afterwards), never a blocked or protected victim,
+    ``len`` = resident blocks, admission declines only a suffix, ``sizes``
+    stays bounded."""
+    import copy
+
+    rng = random.Random(f"{name}-{seed}")
+    capacity = rng.randint(1, 12)
+    pol = policy_class(name)(capacity)
+    resident: set[bytes] = set()
+    for _ in range(400):
+        ids = [rng.randint(0, 40) for _ in range(rng.randint(1, 8))]
+        ks = list(dict.fromkeys(keys(ids)))
+        op = rng.randint(0, 5)
+        if op <= 1:  # store what is new, as the manager does
+            new = [k for k in ks if k not in resident][:capacity]
+            if pol.wants_store_misses:
+                pol.on_store_misses(new)
+            n = pol.admit(new) if pol.wants_admission else len(new)
+            assert 0 <= n <= len(new)
+            new = new[:n]
+            need = len(new) - (capacity - len(resident))
+            if need > 0:
+                victims = pol.evict(need, set(ks))
+                if victims is None:
+                    continue
+                assert len(victims) == need == len(set(victims))
+                assert set(victims) <= resident - pol.blocked - set(ks)
+                resident.difference_update(victims)
+            pol.blocked.update(new)
+            pol.insert(new)
+            resident.update(new)
+            pol.blocked.difference_update([k for k in new if rng.random() < 0.8])
+        elif op == 2:
+            pol.on_access(ks, {k for k in ks if k in resident})
+        elif op == 3 and resident:
+            pol.blocked.symmetric_difference_update([rng.choice(sorted(resident))])
+        elif op == 4 and resident:
+            k = rng.choice(sorted(resident))
+            pol.remove(k)
+            pol.blocked.discard(k)
+            resident.discard(k)
+        elif op == 5:
+            protected = set(rng.sample(sorted(resident), min(len(resident), 2)))
+            evictable = resident - pol.blocked - protected
+            n = rng.randint(0, capacity + 1)
+            twin = copy.deepcopy(pol)
+            victims = pol.evict(n, protected)
+            if victims is None:
+                assert n > len(evictable)
+                m = len(evictable)  # the copy and the original choose alike
+                victims = pol.evict(m, protected)
+                assert victims == twin.evict(m, protected)
+                assert victims is not None
+            else:
+                assert len(victims) == n == len(set(victims))
+            assert set(victims) <= evictable
+            resident.difference_update(victims)
+        assert len(pol) == len(resident)
+        assert sum(pol.sizes().values()) <= 64 * capacity + 4096

@@ -103,7 +103,7 @@ def test_empty_trace_has_zero_ratio() -> None:
 
 
 def test_unknown_policy_lists_known_ones() -> None:
-    with pytest.raises(ValueError, match="known policies: arc, lru"):
+    with pytest.raises(ValueError, match="known policies: adaptive, arc, lru"):
         replay([], 10, "nope")
 
 

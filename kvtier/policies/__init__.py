@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 
+from kvtier.policies.adaptive import AdaptivePolicy
 from kvtier.policies.arc import ARCPolicy
 from kvtier.policies.base import EvictionPolicy
 from kvtier.policies.lru import LRUPolicy
@@ -13,6 +14,7 @@ POLICIES: dict[str, type[EvictionPolicy]] = {
     LRUPolicy.name: LRUPolicy,
     ARCPolicy.name: ARCPolicy,
     PLFUPolicy.name: PLFUPolicy,
+    AdaptivePolicy.name: AdaptivePolicy,
 }
 """Built-in policies by name."""
 
@@ -53,6 +55,7 @@ def make_policy(name: str, capacity: int) -> EvictionPolicy:
 
 
 __all__ = [
-    "DEFAULT_POLICY", "POLICIES", "ARCPolicy", "EvictionPolicy", "LRUPolicy", "PLFUPolicy",
+    "DEFAULT_POLICY", "POLICIES", "ARCPolicy", "AdaptivePolicy", "EvictionPolicy", "LRUPolicy",
+    "PLFUPolicy",
     "make_policy", "policy_class",
 ]

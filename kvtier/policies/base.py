@@ -23,7 +23,14 @@ class EvictionPolicy(ABC):
       request found ready in the cache (not inserted by itself);
     * ``on_store_misses(keys)``: new store candidates, each once per request,
       before their ``insert`` (ghost-list policies learn from them); returns
-      the keys it learned from, so the manager remembers only those.
+      the keys it learned from, so the manager remembers only those;
+    * ``admit(keys)`` (only when ``wants_admission``): new store candidates of
+      one offer, in offer order, after the manager's own admission
+      (``store_threshold``) and before any eviction; returns how many leading
+      keys to store. The rest are declined: not stored, not inserted, reported
+      in ``stores_skipped``, and still part of the request's access (passed to
+      ``on_access`` as keys the policy does not hold). Declining a suffix keeps
+      every stored block's prefix stored with it.
 
     ``evict(n, protected)`` is atomic: it removes and returns exactly ``n``
     evictable keys not in ``protected``, or returns None and changes nothing.
@@ -37,6 +44,8 @@ class EvictionPolicy(ABC):
     """False when ``on_access`` ignores ``reused``; lets the manager skip computing it."""
     wants_store_misses: ClassVar[bool] = False
     """True when ``on_store_misses`` does something; lets the manager skip the calls."""
+    wants_admission: ClassVar[bool] = False
+    """True when ``admit`` may decline keys; lets the manager skip the calls."""
 
     def __init__(self, capacity: int) -> None:
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
@@ -47,6 +56,10 @@ class EvictionPolicy(ABC):
     def on_store_misses(self, keys: list[bytes]) -> list[bytes]:
         """Learn from keys about to be inserted; return those it learned from."""
         return []
+
+    def admit(self, keys: list[bytes]) -> int:
+        """How many leading ``keys`` (new candidates of one offer) to store: all."""
+        return len(keys)
 
     @abstractmethod
     def insert(self, keys: list[bytes]) -> None:

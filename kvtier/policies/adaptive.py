@@ -1,0 +1,235 @@
+"""Adaptive PLFU: PLFU whose history length and admission are chosen online by
+miniature simulation (SHARDS-style shadow caches).
+
+docs/policy.md ("Adaptive") has the measurements behind it.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Container, Sequence
+
+from kvtier.policies.plfu import PLFUPolicy
+
+
+class _Shadow:
+    """A miniature PLFU over the sampled keys: one candidate configuration.
+
+    Owns a :class:`PLFUPolicy` of ``capacity`` blocks (nothing is ever blocked
+    or protected in it), the set of its resident keys (a membership test that
+    costs less than the policy's), and its scores.
+    ``admission``: a new key is stored only if the history knows it, or if
+    there is room without evicting (the rule :meth:`AdaptivePolicy.admit`
+    applies to the real cache).
+    """
+
+    __slots__ = ("policy", "resident", "capacity", "history_factor", "admission", "hits",
+                 "score", "spread", "last")
+
+    def __init__(self, capacity: int, history_factor: int, admission: bool) -> None:
+        self.policy = PLFUPolicy(capacity, history_factor=history_factor)
+        self.resident: set[bytes] = set()  # the policy's keys (it evicts only when told)
+        self.capacity = capacity
+        self.history_factor = history_factor
+        self.admission = admission
+        self.hits = 0  # since the last decision
+        self.score = 0.0  # decayed hits
+        self.last = 0  # hits of the latest request
+        self.spread = 0.0  # decayed sum of squared per-request differences to the active
+
+    def access(self, keys: list[bytes]) -> None:
+        """One request's sampled keys, head first: count hits, store misses, apply."""
+        p, resident = self.policy, self.resident
+        missing = [k for k in keys if k not in resident]
+        self.last = len(keys) - len(missing)
+        self.hits += self.last
+        if missing:
+            room = self.capacity - len(resident)
+            if self.admission and len(missing) > room:
+                counts = p._counts
+                n = 0
+                for key in missing:
+                    if key not in counts:
+                        break
+                    n += 1
+                missing = missing[:max(n, room)]
+            if missing:
+                over = len(resident) + len(missing) - self.capacity
+                if over > 0:
+                    victims = p.evict(over, ())
+                    if victims:
+                        resident.difference_update(victims)
+                p.insert(missing)
+                resident.update(missing)
+        p.on_access(keys, ())
+
+
+class AdaptivePolicy(PLFUPolicy):
+    """PLFU (``kvtier.policies.plfu``) whose two trace-dependent choices are made
+    online: how long the frequency history reaches back (``history_factor``
+    times the capacity), and whether a new block that the history has never
+    seen may push out a resident one (admission).
+
+    Owns, besides PLFU's state (see :class:`PLFUPolicy`):
+
+    * ``shadows``: one miniature PLFU per candidate configuration
+      (``CANDIDATES``), each of ``rate * capacity`` blocks, fed
+      the keys whose CRC-32 falls in the sampled ``rate`` of the hash space
+      (spatial sampling, as SHARDS does: a sampled key is sampled in every
+      request). Each scores its hits, decayed by ``DECAY`` per epoch of
+      ``shadow capacity`` sampled accesses;
+    * the active configuration: after each epoch the real cache takes the best
+      shadow's configuration if it is ahead by more than noise (``Z``).
+      Switching changes two numbers (``history_limit``, ``admission``); no
+      state is rebuilt.
+
+    Admission (``wants_admission``): while active, ``admit`` stores the
+    leading candidates the history knows and declines the rest of the offer
+    (a suffix, so a stored block's prefix is stored with it), unless all of
+    them fit without eviction. Declined keys still count as used by the
+    request, so their next offer is admitted.
+
+    Invariants: PLFU's (``evict`` atomic, never a blocked or protected key,
+    ``len`` = resident blocks); shadows never see blocked keys and never
+    affect the real cache except through the configuration.
+
+    Memory: PLFU's bound with the largest history (``max(FACTORS) *
+    capacity`` history keys, about ``3 * capacity`` ghosts), plus the shadows:
+    ``len(CANDIDATES)`` miniatures of ``rate * capacity`` blocks with the same
+    bounds each, where ``rate`` is at most ``MAX_RATE``; in all at most about
+    ``(max(FACTORS) + 4) * capacity * (1 + len(CANDIDATES) * rate)`` keys.
+    """
+
+    name = "adaptive"
+    wants_admission = True
+
+    FACTORS = (4, 8, 16, 32)
+    """Candidate history lengths with admission, in multiples of the capacity
+    (with admission on, the history is also the doorkeeper's memory)."""
+    CANDIDATES = ((8, False), *((f, True) for f in FACTORS))
+    """(history factor, admission) of each shadow: PLFU as it is, and PLFU with
+    admission over each history length (without admission, the history length
+    changed little in measurement)."""
+    START = (8, False)
+    """Configuration before the first decision (PLFU's)."""
+    SHADOW_BLOCKS = 64
+    """Shadow size aimed at: the sampling rate is ``SHADOW_BLOCKS / capacity``..."""
+    MAX_RATE = 1 / 32
+    """...at most this (small caches: the shadows cost at most this share each)..."""
+    MIN_RATE = 1 / 128
+    """...and at least this (large caches get larger shadows)."""
+    MIN_SHADOW = 8
+    """Smallest shadow capacity, in blocks."""
+    DECAY = 1 - 1 / max(FACTORS)
+    """Weight of the previous score at each epoch: scores remember about as many
+    accesses as the longest candidate history reaches back."""
+    Z = 1.0
+    """A configuration replaces the active one only when its score is ahead by more
+    than ``Z`` standard deviations of the difference (estimated from the
+    per-request differences of the two shadows, which see the same keys): a
+    one-sigma hysteresis, so a tie does not flip-flop and a clear lead is
+    followed within a few epochs."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity, history_factor=self.START[0])
+        rate = min(self.MAX_RATE, max(self.MIN_RATE, self.SHADOW_BLOCKS / capacity))
+        self.rate = rate
+        self._threshold = int(rate * (1 << 32))
+        self._shadow_capacity = max(self.MIN_SHADOW, round(capacity * rate))
+        self._init_adaptive()
+
+    def _init_adaptive(self) -> None:
+        self.shadows = [_Shadow(self._shadow_capacity, f, adm)
+                        for f, adm in self.CANDIDATES]
+        self._active = [(s.history_factor, s.admission) for s in self.shadows].index(
+            self.START)
+        self.history_factor, self.admission = self.START
+        self.history_limit = self.history_factor * self.capacity
+        self._sampled = 0
+        self.switches = 0
+
+    # -- introspection -------------------------------------------------------
+
+    def sizes(self) -> dict[str, int]:
+        sizes = super().sizes()
+        total = {"shadow_resident": 0, "shadow_history": 0, "shadow_ghosts": 0}
+        for s in self.shadows:
+            inner = s.policy.sizes()
+            total["shadow_resident"] += inner["window"] + inner["main"]
+            total["shadow_history"] += inner["history"]
+            total["shadow_ghosts"] += inner["ghost_window"] + inner["ghost_main"]
+        sizes.update(total)
+        return sizes
+
+    def configuration(self) -> tuple[int, bool]:
+        """The active (history factor, admission)."""
+        return self.history_factor, self.admission
+
+    def configure(self, history_factor: int, admission: bool) -> None:
+        """Make a candidate configuration the active one (tests, experiments)."""
+        for i, s in enumerate(self.shadows):
+            if (s.history_factor, s.admission) == (history_factor, admission):
+                self._switch(i)
+                return
+        raise ValueError(f"not a candidate configuration: {(history_factor, admission)!r}")
+
+    # -- the contract --------------------------------------------------------
+
+    def admit(self, keys: list[bytes]) -> int:
+        room = self.capacity - len(self)
+        if not self.admission or len(keys) <= room:
+            return len(keys)
+        counts = self._counts
+        for i, key in enumerate(keys):
+            if key not in counts:
+                return max(i, room)
+        return len(keys)
+
+    def on_access(self, keys: Sequence[bytes], reused: Container[bytes]) -> None:
+        super().on_access(keys, reused)
+        crc, threshold = zlib.crc32, self._threshold
+        sampled = [k for k in keys if crc(k) < threshold]
+        if sampled:
+            shadows = self.shadows
+            for s in shadows:
+                s.access(sampled)
+            mine = shadows[self._active].last
+            for s in shadows:
+                d = s.last - mine
+                if d:
+                    s.spread += d * d
+            self._sampled += len(sampled)
+            if self._sampled >= self._shadow_capacity:
+                self._decide()
+
+    def _decide(self) -> None:
+        """End of an epoch: update the scores, follow the best shadow."""
+        self._sampled = 0
+        decay = self.DECAY
+        shadows = self.shadows
+        for s in shadows:
+            s.score = s.score * decay + s.hits
+            s.spread *= decay
+            s.hits = 0
+        active = shadows[self._active]
+        best = max(range(len(shadows)), key=lambda i: shadows[i].score)
+        if best == self._active:
+            return
+        s = shadows[best]
+        gap = s.score - active.score
+        if gap > 0 and gap * gap > self.Z * self.Z * s.spread:
+            self._switch(best)
+
+    def _switch(self, index: int) -> None:
+        """Take shadow ``index``'s configuration; differences restart from it."""
+        self._active = index
+        s = self.shadows[index]
+        self.history_factor, self.admission = s.history_factor, s.admission
+        self.history_limit = self.history_factor * self.capacity
+        self.switches += 1
+        for other in self.shadows:
+            other.spread = 0.0
+
+    def clear(self) -> None:
+        super().clear()
+        self._init_adaptive()

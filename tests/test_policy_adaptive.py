@@ -1,0 +1,250 @@
+"""The adaptive policy (kvtier.policies.adaptive): contract, admission, shadows, bounds."""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import kvtier
+from kvtier import OffloadManager, RequestContext
+from kvtier.policies import DEFAULT_POLICY, POLICIES, AdaptivePolicy, make_policy
+
+
+def k(i: int) -> bytes:
+    return kvtier.block_key(i)
+
+
+def ks(ids: range | list[int]) -> list[bytes]:
+    return [k(i) for i in ids]
+
+
+def _state(pol: AdaptivePolicy) -> object:
+    """Everything a failed evict must leave unchanged (PLFU's state and the mode)."""
+    return copy.deepcopy({
+        "window": list(pol._window), "recent": list(pol._recent), "meta": dict(pol._meta),
+        "classes": [list(c) for c in pol._classes], "g1": (dict(pol._g1), dict(pol._g1_old)),
+        "g2": (dict(pol._g2), dict(pol._g2_old)), "history": dict(pol.history),
+        "numbers": (pol.target, pol.lfu_share, pol._carry, pol._base),
+        "mode": pol.configuration(),
+    })
+
+
+def _request(pol: AdaptivePolicy, keys: list[bytes]) -> list[bytes]:
+    """One request as the manager runs it: admission, room, store, access."""
+    new = [key for key in keys if pol.segment(key) is None]
+    new = new[:pol.admit(new)]
+    victims: list[bytes] = []
+    free = pol.capacity - len(pol)
+    if len(new) > free:
+        out = pol.evict(len(new) - free, set(keys))
+        assert out is not None
+        victims = out
+    pol.blocked.update(new)
+    pol.insert(new)
+    pol.blocked.difference_update(new)
+    pol.on_access(keys, set())
+    return victims
+
+
+def test_registered_under_its_own_name_and_not_the_default() -> None:
+    assert POLICIES["adaptive"] is AdaptivePolicy
+    assert DEFAULT_POLICY == "plfu"
+    pol = make_policy("adaptive", 100)
+    assert isinstance(pol, AdaptivePolicy)
+    assert pol.configuration() == AdaptivePolicy.START
+    assert AdaptivePolicy.MIN_RATE <= pol.rate <= AdaptivePolicy.MAX_RATE
+
+
+def test_admission_declines_unknown_suffix_only_when_full() -> None:
+    pol = AdaptivePolicy(4)
+    pol.configure(8, True)
+    assert pol.admit(ks(range(4))) == 4  # room for all: nothing declined
+    _request(pol, ks(range(4)))
+    assert len(pol) == 4
+    assert pol.admit(ks(range(10, 13))) == 0  # full and never seen
+    pol.on_access(ks(range(10, 13)), set())  # the request still used them
+    assert pol.admit(ks([10, 11, 20, 12])) == 2  # known head, unknown from 20 on
+    pol.configure(8, False)
+    assert pol.admit(ks(range(30, 35))) == 5
+
+
+def test_evict_skips_blocked_and_protected_or_fails_atomically() -> None:
+    pol = AdaptivePolicy(6)
+    _request(pol, ks(range(3)))
+    _request(pol, ks(range(3)))
+    _request(pol, ks(range(10, 13)))
+    pol.blocked.update([k(10), k(0)])
+    before = _state(pol)
+    assert pol.evict(5, {k(11)}) is None
+    assert _state(pol) == before
+    victims = pol.evict(3, {k(11)})
+    assert victims is not None and len(set(victims)) == 3
+    assert not {k(10), k(0), k(11)} & set(victims)
+    assert pol.evict(0, set()) == []
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 12), st.lists(st.tuples(st.integers(0, 5), st.lists(
+    st.integers(0, 40), min_size=1, max_size=8)), max_size=60), st.integers(0, 2**32),
+    st.booleans())
+def test_random_operations_keep_the_contract(capacity: int, ops: list, seed: int,
+                                             admission: bool) -> None:
+    rng = random.Random(seed)
+    pol = AdaptivePolicy(capacity)
+    pol.configure(8, admission)
+    resident: set[bytes] = set()
+    for op, ids in ops:
+        keys = list(dict.fromkeys(ks(ids)))
+        if op <= 1:
+            new = [key for key in keys if key not in resident][:capacity]
+            n = pol.admit(new)
+            assert 0 <= n <= len(new)
+            new = new[:n]
+            need = len(new) - (capacity - len(resident))
+            if need > 0:
+                before = _state(pol)
+                victims = pol.evict(need, set(keys))
+                if victims is None:
+                    assert _state(pol) == before
+                    continue
+                assert len(victims) == need == len(set(victims))
+                assert set(victims) <= resident
+                assert not set(victims) & (pol.blocked | set(keys))
+                resident.difference_update(victims)
+            pol.blocked.update(new)
+            pol.insert(new)
+            resident.update(new)
+            pol.blocked.difference_update([key for key in new if rng.random() < 0.8])
+        elif op == 2:
+            pol.on_access(keys, set())
+        elif op == 3 and resident:
+            pol.blocked.symmetric_difference_update([rng.choice(sorted(resident))])
+        elif op == 4 and resident:
+            key = rng.choice(sorted(resident))
+            pol.remove(key)
+            pol.blocked.discard(key)
+            resident.discard(key)
+        elif op == 5:
+            n = rng.randint(0, capacity + 1)
+            protected = set(rng.sample(sorted(resident), min(len(resident), 2)))
+            evictable = resident - pol.blocked - protected
+            before = _state(pol)
+            victims = pol.evict(n, protected)
+            if victims is None:
+                assert n > len(evictable)
+                assert _state(pol) == before
+            else:
+                assert len(victims) == n == len(set(victims)) and set(victims) <= evictable
+                resident.difference_update(victims)
+        assert len(pol) == len(resident)
+        assert {key for key in resident if pol.segment(key) is None} == set()
+        assert len(pol.history) <= pol.history_limit
+
+
+def _bound(pol: AdaptivePolicy) -> int:
+    """The docstring's memory bound, in keys."""
+    factor = max(AdaptivePolicy.FACTORS) + 4
+    shadows = 2 * len(AdaptivePolicy.CANDIDATES) * pol._shadow_capacity
+    return factor * (pol.capacity + shadows)
+
+
+def test_state_stays_bounded_under_long_random_use() -> None:
+    rng = random.Random(3)
+    pol = AdaptivePolicy(64)
+    docs = [list(range(1000 * d, 1000 * d + rng.randint(2, 10))) for d in range(300)]
+    fresh = 10**7
+    for i in range(6000):
+        ids = list(docs[int(rng.paretovariate(1.0)) % len(docs)])
+        ids += list(range(fresh, fresh + rng.randint(1, 6)))
+        fresh += 10
+        _request(pol, ks(ids))
+        if i % 500 == 0:
+            sizes = pol.sizes()
+            assert sizes["window"] + sizes["main"] == len(pol) <= 64
+            assert sum(sizes.values()) <= _bound(pol)
+            for s in pol.shadows:
+                assert len(s.policy) <= s.capacity
+                assert len(s.policy.history) <= s.policy.history_limit
+    pol.clear()
+    assert len(pol) == 0 and pol.configuration() == AdaptivePolicy.START
+    assert pol.sizes()["shadow_resident"] == 0
+
+
+def test_follows_the_best_shadow() -> None:
+    # Hot documents reused far apart, between floods of one-off blocks: the
+    # admission shadows score more, and the real cache takes their mode.
+    pol = AdaptivePolicy(400)
+    rng = random.Random(5)
+    hot = [list(range(100_000 * d, 100_000 * d + 4)) for d in range(150)]
+    fresh = 10**8
+    for _ in range(8000):
+        ids = list(hot[rng.randrange(len(hot))]) if rng.random() < 0.4 else []
+        ids += list(range(fresh, fresh + 8))
+        fresh += 8
+        _request(pol, ks(ids))
+    assert pol.switches >= 1
+    assert pol.admission
+
+
+def test_manager_with_adaptive_pins_leases_failures_and_declines() -> None:
+    mgr = OffloadManager(16, policy="adaptive", max_leases_per_request=16,
+                         max_leased_blocks=16)
+    assert isinstance(mgr.policy, AdaptivePolicy)
+    mgr.policy.configure(8, True)
+    rng = random.Random(7)
+    for i in range(600):
+        base = rng.randint(0, 5) * 10
+        keys = ks(range(base, base + rng.randint(1, 8)))
+        ctx = RequestContext(f"r{i}")
+        ctx.set_positions(keys, 16, 16)
+        n = mgr.lookup(keys, ctx)
+        if n:
+            mgr.prepare_load(keys[:n], ctx)
+        out = mgr.prepare_store(keys, ctx)
+        if out is not None and out.keys_to_store:
+            assert out.keys_to_store == [x for x in keys if x in out.keys_to_store]
+            mgr.complete_store(out.keys_to_store, ctx, success=rng.random() < 0.9)
+        if n:
+            mgr.complete_load(keys[:n], ctx)
+        mgr.on_request_finished(ctx)
+        stats = mgr.stats()
+        assert stats["resident"] + stats["free"] == 16
+        assert mgr.debug_state()["policy_size"] == stats["resident"]
+    assert mgr.stats()["stores_skipped"] > 0  # admission declined some
+
+
+def test_declined_block_is_stored_on_its_next_offer() -> None:
+    mgr = OffloadManager(2, policy="adaptive")
+    pol = mgr.policy
+    assert isinstance(pol, AdaptivePolicy)
+    pol.configure(8, True)
+
+    def run(ids: list[int], name: str) -> list[bytes]:
+        keys = ks(ids)
+        ctx = RequestContext(name)
+        ctx.set_positions(keys, 16, 16)
+        mgr.lookup(keys, ctx)
+        out = mgr.prepare_store(keys, ctx)
+        stored = list(out.keys_to_store) if out is not None else []
+        if stored:
+            mgr.complete_store(stored, ctx)
+        mgr.on_request_finished(ctx)
+        return stored
+
+    assert run([1, 2], "a") == ks([1, 2])  # room: stored
+    assert run([3], "b") == []  # full, never seen: declined
+    assert mgr.stats()["stores_skipped"] == 1
+    assert run([3], "c") == ks([3])  # seen once: admitted
+    assert mgr.contains(k(3))
+
+
+def test_configure_takes_only_candidates() -> None:
+    pol = AdaptivePolicy(10)
+    pol.configure(32, True)
+    assert pol.configuration() == (32, True) and pol.history_limit == 320
+    with pytest.raises(ValueError):
+        pol.configure(5, True)
