@@ -532,8 +532,11 @@ def _check_engine_options(args: argparse.Namespace) -> None:
 def _plot(results: list[ReplayResult], out: Path, trace: Path) -> None:
     from kvtier.replay.plot import PlotError, plot_results
 
+    gpu = getattr(results[0], "gpu_blocks", 0) if results else 0
+    title = (f"CPU-tier hit ratio behind a {gpu:,}-block engine cache, {trace.name}" if gpu
+             else f"prefix-hit ratio, {trace.name}")
     try:
-        plot_results(results, out, title=f"prefix-hit ratio, {trace.name}")
+        plot_results(results, out, title=title)
     except PlotError as exc:
         raise CommandError(str(exc)) from None
     print(f"{PROG}: wrote plot {out}", file=sys.stderr)
