@@ -96,8 +96,9 @@ class FaultResult:
     kvtier_tokens: float = 0.0
     tier_errors: dict[str, float] = field(default_factory=dict)
     counters: dict[str, float] = field(default_factory=dict)
-    disk_read_ms: float = 0.0
-    """Milliseconds the I/O threads spent in disk reads (``vllm:kvtier_tier_read_ms``)."""
+    disk_io_ms: float = 0.0
+    """Milliseconds the I/O threads spent in disk reads and writes
+    (``vllm:kvtier_tier_read_ms`` + ``_write_ms``)."""
     probe_answer: str = ""
     probe_same: bool = True
     skipped: str = ""
@@ -294,7 +295,8 @@ def _result(fault: str, client: dict[str, Any], samples: prom.Samples, answer: s
         kvtier_tokens=sum(v for k, v in cached.items() if k != "device"),
         tier_errors=dict(prom.by_label(samples, "vllm:kvtier_tier_errors_total", "tier")),
         counters=counters,
-        disk_read_ms=prom.value(samples, "vllm:kvtier_tier_read_ms_total", tier="disk"),
+        disk_io_ms=sum(prom.value(samples, f"vllm:kvtier_tier_{n}_ms_total", tier="disk")
+                       for n in ("read", "write")),
         probe_answer=answer, probe_same=answer == before)
 
 
@@ -325,7 +327,7 @@ def run_all(s: FaultSettings, say: Any = print) -> list[FaultResult]:
 
 
 HEADER = ("fault", "done", "failed", "p99 TTFT", "/clean", "max-clean p99", "kvtier tok",
-          "lost", "tier errors", "write fail", "promo fail", "disk read s", "probe same")
+          "lost", "tier errors", "write fail", "promo fail", "disk I/O s", "probe same")
 _ROW = ("{:<13} {:>5} {:>6} {:>9} {:>6} {:>13} {:>10} {:>5} {:>16} {:>10} {:>10} {:>12}"
         " {:>10}")
 
@@ -348,7 +350,7 @@ def table(results: list[FaultResult]) -> list[str]:
             r.fault, r.completed, r.failed, f"{r.ttft_p99_ms:.0f}ms", f"{ratio:.2f}",
             f"{over:+.2f}s", f"{r.kvtier_tokens:.0f}", f"{lost:.0%}", errors,
             f"{c.get('write_failures', 0) + c.get('dropped_writes', 0):.0f}", f"{promo:.0f}",
-            f"{r.disk_read_ms / 1000:.1f}", "yes" if r.probe_same else "NO"))
+            f"{r.disk_io_ms / 1000:.1f}", "yes" if r.probe_same else "NO"))
     lines.append(f"bound on max - clean p99 (probe_timeout_s + promotion_timeout_s): "
                  f"{TIMEOUT_BOUND_S:.1f} s")
     return lines
