@@ -95,6 +95,11 @@ def _quiet(_: str) -> None:
     return None
 
 
+def verdict(failures: list[str]) -> str:
+    """A report's last line: every guarantee held, or the ones that broke."""
+    return "all guarantees held" if not failures else "FAILED: " + "; ".join(failures)
+
+
 # ================================================================ directory check
 @dataclass
 class DirectoryCheck:
@@ -362,9 +367,7 @@ class DiskDrillReport:
             lines.append(f"final engine: {f.disk_tokens} fixed-prompt tokens from disk, "
                          f"answers {'identical' if f.fixed_identical else 'DIFFERENT'}, "
                          f"{f.stale_regions} stale regions, exit status {f.status}")
-        failures = self.failures()
-        lines.append("all guarantees held" if not failures else
-                     "FAILED: " + "; ".join(failures))
+        lines.append(verdict(self.failures()))
         return "\n".join(lines)
 
 
@@ -692,9 +695,7 @@ class RedisDrillReport:
             f"{ld.wrong} wrong answers; fixed prompts asked {self.fixed_asks} times "
             f"({self.fixed_failed} failed); writer: {self.writer_acked} SETs acknowledged; "
             f"{self.seconds:.0f} s")
-        failures = self.failures()
-        lines.append("all guarantees held" if not failures else
-                     "FAILED: " + "; ".join(failures))
+        lines.append(verdict(self.failures()))
         return "\n".join(lines)
 
 
