@@ -26,6 +26,16 @@ def _names(allowed: tuple[str, ...]) -> Any:
     return parse
 
 
+def _configs(text: str) -> tuple[str, ...]:
+    names = tuple(dict.fromkeys(n.strip() for n in text.split(",")))
+    if not names or not all(names):
+        raise argparse.ArgumentTypeError("empty configuration name")
+    try:
+        return tuple(serving.check_config(n) for n in names)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
 def _sizes(text: str) -> tuple[int, ...]:
     return tuple(dict.fromkeys(positive_int(n.strip()) for n in text.split(",")))
 
@@ -41,8 +51,9 @@ def add_bench_parser(commands: Any) -> None:
                    help="runs, logs, summary and plot go here (default ./bench-serve)")
     p.add_argument("--model-dir", type=Path, default=None, metavar="DIR",
                    help="the tiny model (built there if missing; default ~/.cache/kvtier)")
-    p.add_argument("--configs", type=_names(serving.CONFIGS), default=serving.CONFIGS,
-                   metavar="C[,C...]", help=f"default {','.join(serving.CONFIGS)}")
+    p.add_argument("--configs", type=_configs, default=serving.CONFIGS,
+                   metavar="C[,C...]",
+                   help=f"none, vllm-lru, or POLICY[+disk] (default {','.join(serving.CONFIGS)})")
     p.add_argument("--traffic", type=_names(serving.TRAFFIC), default=serving.TRAFFIC,
                    metavar="T[,T...]", help="bundled (the Mooncake trace) and/or generated "
                    f"(kvtier generate {serving.GENERATED_KIND})")

@@ -35,10 +35,15 @@ from typing import Any
 from kvtier.bench import prom
 from kvtier.bench.server import ServerProcess
 from kvtier.launch import vllm_command
+from kvtier.policies import POLICIES
 
 BLOCK_TOKENS = 32
 CONFIGS = ("none", "vllm-lru", "lru", "default", "default+disk")
-"""Server configurations, in the order of the table."""
+"""Server configurations, in the order of the table (the default set; any
+``POLICY`` or ``POLICY+disk`` of kvtier's built-in policies is accepted too,
+see ``check_config``)."""
+TIERS = ("disk",)
+"""Tiers a configuration may add below the CPU tier (``POLICY+TIER``)."""
 PEER = "vllm-lru"
 BASELINE = "none"
 TRAFFIC = ("bundled", "generated")
@@ -131,6 +136,24 @@ def kvtier_serve_argv(model: Path, cpu_bytes: int, kvtier_flags: Sequence[str],
             *kvtier_flags, *vllm_flags]
 
 
+def check_config(config: str) -> str:
+    """Return ``config`` if it names a configuration; else raise ``ValueError``.
+
+    ``none``, ``vllm-lru``, or a built-in kvtier policy (``default``, ``lru``,
+    ``adaptive``...) optionally followed by ``+disk``.
+    """
+    if config in (BASELINE, PEER):
+        return config
+    policy, plus, tier = config.partition("+")
+    if policy != "default" and policy not in POLICIES:
+        known = ", ".join([BASELINE, PEER, "default", *POLICIES])
+        raise ValueError(f"unknown configuration {config!r}: {policy!r} is none of {known}")
+    if plus and tier not in TIERS:
+        raise ValueError(f"unknown tier {tier!r} in configuration {config!r} "
+                         f"(tiers: {', '.join(TIERS)})")
+    return config
+
+
 def server_argv(s: BenchSettings, config: str, cpu_bytes: int, port: int,
                 disk_dir: Path) -> list[str]:
     """The command starting ``config``'s server."""
@@ -145,13 +168,11 @@ def server_argv(s: BenchSettings, config: str, cpu_bytes: int, port: int,
                     "kv_connector_extra_config": extra}
         return vllm_command(["serve", model, *engine,
                              "--kv-transfer-config", json.dumps(transfer)])
-    policy, _, tier = config.partition("+")
+    policy, _, tier = check_config(config).partition("+")
     flags = ["--policy", policy]
     if tier == "disk":
         flags += ["--disk-path", str(disk_dir),
                   "--disk-bytes", str(s.disk_blocks * block_bytes())]
-    elif tier:
-        raise ValueError(f"unknown tier {tier!r} in configuration {config!r}")
     return kvtier_serve_argv(s.model, cpu_bytes, flags, engine)
 
 
