@@ -6,12 +6,20 @@ import copy
 import random
 
 import pytest
+from helpers.policy_contract import OPS, exercise, plfu_invariants
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvtier
 from kvtier import OffloadManager, RequestContext
-from kvtier.policies import DEFAULT_POLICY, POLICIES, PLFUPolicy, make_policy, policy_class
+from kvtier.policies import (
+    DEFAULT_POLICY,
+    POLICIES,
+    EvictionPolicy,
+    PLFUPolicy,
+    make_policy,
+    policy_class,
+)
 from kvtier.replay.driver import replay, trace_keys
 from kvtier.replay.trace import BUNDLED_TRACE, load_trace
 
@@ -45,7 +53,8 @@ def _request(pol: PLFUPolicy, keys: list[bytes], room: int | None = None) -> lis
     return victims
 
 
-def _state(pol: PLFUPolicy) -> object:
+def _state(pol: EvictionPolicy) -> object:
+    assert isinstance(pol, PLFUPolicy)
     """Everything a failed evict must leave unchanged."""
     state: dict[str, object] = {
         "window": list(pol._window), "recent": list(pol._recent), "meta": dict(pol._meta),
@@ -182,82 +191,10 @@ def test_history_is_aged_and_bounded() -> None:
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.integers(1, 12), st.lists(st.tuples(st.integers(0, 5), st.lists(
-    st.integers(0, 30), min_size=1, max_size=8)), max_size=60), st.integers(0, 2**32))
+@given(st.integers(1, 12), OPS, st.integers(0, 2**32))
 def test_random_operations_keep_the_contract(capacity: int, ops: list, seed: int) -> None:
-    rng = random.Random(seed)
-    pol = PLFUPolicy(capacity, history_factor=2)
-    resident: set[bytes] = set()
-    for op, ids in ops:
-        keys = list(dict.fromkeys(ks(ids)))
-        if op <= 1:  # store what is new, making room
-            new = [key for key in keys if key not in resident][:capacity]
-            need = len(new) - (capacity - len(resident))
-            if need > 0:
-                before = _state(pol)
-                victims = pol.evict(need, set(keys))
-                if victims is None:
-                    assert _state(pol) == before
-                    continue
-                assert len(victims) == need == len(set(victims))
-                assert set(victims) <= resident
-                assert not set(victims) & (pol.blocked | set(keys))
-                resident.difference_update(victims)
-            pol.blocked.update(new)
-            pol.insert(new)
-            resident.update(new)
-            pol.blocked.difference_update([key for key in new if rng.random() < 0.8])
-        elif op == 2:  # an access, some keys not resident
-            pol.on_access(keys, set())
-        elif op == 3 and resident:  # pin or unpin
-            key = rng.choice(sorted(resident))
-            pol.blocked.symmetric_difference_update([key])
-        elif op == 4 and resident:  # a failed store
-            key = rng.choice(sorted(resident))
-            pol.remove(key)
-            pol.blocked.discard(key)
-            resident.discard(key)
-        elif op == 5:
-            n = rng.randint(0, capacity + 1)
-            protected = set(rng.sample(sorted(resident), min(len(resident), 2)))
-            evictable = resident - pol.blocked - protected
-            before = _state(pol)
-            victims = pol.evict(n, protected)
-            if victims is None:
-                assert n > len(evictable)
-                assert _state(pol) == before
-            else:
-                assert len(victims) == n == len(set(victims)) and set(victims) <= evictable
-                resident.difference_update(victims)
-        assert len(pol) == len(resident)
-        assert {key for key in resident if pol.segment(key) is None} == set()
-        assert len(pol.history) <= pol.history_limit
-        sizes = pol.sizes()
-        assert sizes["ghost_window"] <= 2 * capacity + 8
-        assert sizes["ghost_main"] <= 2 * capacity + 8
-        assert 0.0 <= pol.target <= capacity
-        assert pol.MIN_SHARE <= pol.lfu_share <= 1 - pol.MIN_SHARE
-
-
-def test_manager_with_plfu_pins_leases_and_failures() -> None:
-    mgr = OffloadManager(16, policy="plfu", max_leases_per_request=16, max_leased_blocks=16)
-    rng = random.Random(7)
-    for i in range(400):
-        keys = ks(range(rng.randint(0, 3) * 10, rng.randint(0, 3) * 10 + rng.randint(1, 8)))
-        ctx = RequestContext(f"r{i}")
-        ctx.set_positions(keys, 16, 16)
-        n = mgr.lookup(keys, ctx)
-        if n:
-            mgr.prepare_load(keys[:n], ctx)
-        out = mgr.prepare_store(keys, ctx)
-        if out is not None and out.keys_to_store:
-            mgr.complete_store(out.keys_to_store, ctx, success=rng.random() < 0.9)
-        if n:
-            mgr.complete_load(keys[:n], ctx)
-        mgr.on_request_finished(ctx)
-        stats = mgr.stats()
-        assert stats["resident"] + stats["free"] == 16
-        assert mgr.debug_state()["policy_size"] == stats["resident"]
+    exercise(PLFUPolicy(capacity, history_factor=2), ops, random.Random(seed),
+             invariants=plfu_invariants, snapshot=_state)
 
 
 # -- the bundled trace -----------------------------------------------------------------

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Container
 
 import pytest
 from conftest import evict_order, fill, keys, load, request, store
 from helpers.custom_policy import NewestFirstPolicy
+from helpers.policy_contract import drive_manager, exercise, random_ops
 
 import kvtier
 from kvtier import OffloadManager
@@ -290,63 +292,28 @@ def test_arc_t1_plus_b1_within_capacity_after_insert() -> None:
 @pytest.mark.parametrize("name", sorted(kvtier.POLICIES))
 @pytest.mark.parametrize("seed", range(6))
 def test_every_policy_keeps_the_contract_under_random_use(name: str, seed: int) -> None:
-    """Atomic eviction (a failed ``evict`` changes nothing: a copy taken before
-    it behaves the same afterwards), never a blocked or protected victim,
-    ``len`` = resident blocks, admission declines only a suffix, ``sizes``
-    stays bounded."""
-    import copy
-
+    """Atomic eviction, never a blocked or protected victim, ``len`` = resident
+    blocks, admission declines only a suffix, ``sizes`` stays bounded
+    (``helpers.policy_contract``)."""
     rng = random.Random(f"{name}-{seed}")
-    capacity = rng.randint(1, 12)
-    pol = policy_class(name)(capacity)
-    resident: set[bytes] = set()
-    for _ in range(400):
-        ids = [rng.randint(0, 40) for _ in range(rng.randint(1, 8))]
-        ks = list(dict.fromkeys(keys(ids)))
-        op = rng.randint(0, 5)
-        if op <= 1:  # store what is new, as the manager does
-            new = [k for k in ks if k not in resident][:capacity]
-            if pol.wants_store_misses:
-                pol.on_store_misses(new)
-            n = pol.admit(new) if pol.wants_admission else len(new)
-            assert 0 <= n <= len(new)
-            new = new[:n]
-            need = len(new) - (capacity - len(resident))
-            if need > 0:
-                victims = pol.evict(need, set(ks))
-                if victims is None:
-                    continue
-                assert len(victims) == need == len(set(victims))
-                assert set(victims) <= resident - pol.blocked - set(ks)
-                resident.difference_update(victims)
-            pol.blocked.update(new)
-            pol.insert(new)
-            resident.update(new)
-            pol.blocked.difference_update([k for k in new if rng.random() < 0.8])
-        elif op == 2:
-            pol.on_access(ks, {k for k in ks if k in resident})
-        elif op == 3 and resident:
-            pol.blocked.symmetric_difference_update([rng.choice(sorted(resident))])
-        elif op == 4 and resident:
-            k = rng.choice(sorted(resident))
-            pol.remove(k)
-            pol.blocked.discard(k)
-            resident.discard(k)
-        elif op == 5:
-            protected = set(rng.sample(sorted(resident), min(len(resident), 2)))
-            evictable = resident - pol.blocked - protected
-            n = rng.randint(0, capacity + 1)
-            twin = copy.deepcopy(pol)
-            victims = pol.evict(n, protected)
-            if victims is None:
-                assert n > len(evictable)
-                m = len(evictable)  # the copy and the original choose alike
-                victims = pol.evict(m, protected)
-                assert victims == twin.evict(m, protected)
-                assert victims is not None
-            else:
-                assert len(victims) == n == len(set(victims))
-            assert set(victims) <= evictable
-            resident.difference_update(victims)
-        assert len(pol) == len(resident)
-        assert sum(pol.sizes().values()) <= 64 * capacity + 4096
+    pol = policy_class(name)(rng.randint(1, 12))
+    exercise(pol, random_ops(rng, 400), rng)
+
+
+class _EvictsProtected(LRUPolicy):
+    """Broken on purpose: ignores ``protected``."""
+
+    def evict(self, n: int, protected: Container[bytes]) -> list[bytes] | None:
+        return super().evict(n, ())
+
+
+def test_the_contract_check_catches_a_policy_that_breaks_it() -> None:
+    rng = random.Random(1)
+    with pytest.raises(AssertionError):
+        exercise(_EvictsProtected(4), random_ops(rng, 400), rng)
+
+
+@pytest.mark.parametrize("name", sorted(kvtier.POLICIES))
+def test_every_policy_agrees_with_the_manager_under_leases_and_failures(name: str) -> None:
+    mgr = OffloadManager(16, policy=name, max_leases_per_request=16, max_leased_blocks=16)
+    drive_manager(mgr, random.Random(f"{name}-manager"), 400)

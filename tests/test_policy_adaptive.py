@@ -6,12 +6,14 @@ import copy
 import random
 
 import pytest
+from helpers.policy_contract import drive_manager, exercise
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_plfu import OPS, plfu_invariants
 
 import kvtier
 from kvtier import OffloadManager, RequestContext
-from kvtier.policies import DEFAULT_POLICY, POLICIES, AdaptivePolicy, make_policy
+from kvtier.policies import DEFAULT_POLICY, POLICIES, AdaptivePolicy, EvictionPolicy, make_policy
 
 
 def k(i: int) -> bytes:
@@ -22,7 +24,8 @@ def ks(ids: range | list[int]) -> list[bytes]:
     return [k(i) for i in ids]
 
 
-def _state(pol: AdaptivePolicy) -> object:
+def _state(pol: EvictionPolicy) -> object:
+    assert isinstance(pol, AdaptivePolicy)
     """Everything a failed evict must leave unchanged (PLFU's state and the mode)."""
     return copy.deepcopy({
         "window": list(pol._window), "recent": list(pol._recent), "meta": dict(pol._meta),
@@ -88,61 +91,12 @@ def test_evict_skips_blocked_and_protected_or_fails_atomically() -> None:
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.integers(1, 12), st.lists(st.tuples(st.integers(0, 5), st.lists(
-    st.integers(0, 40), min_size=1, max_size=8)), max_size=60), st.integers(0, 2**32),
-    st.booleans())
+@given(st.integers(1, 12), OPS, st.integers(0, 2**32), st.booleans())
 def test_random_operations_keep_the_contract(capacity: int, ops: list, seed: int,
                                              admission: bool) -> None:
-    rng = random.Random(seed)
     pol = AdaptivePolicy(capacity)
     pol.configure(8, admission)
-    resident: set[bytes] = set()
-    for op, ids in ops:
-        keys = list(dict.fromkeys(ks(ids)))
-        if op <= 1:
-            new = [key for key in keys if key not in resident][:capacity]
-            n = pol.admit(new)
-            assert 0 <= n <= len(new)
-            new = new[:n]
-            need = len(new) - (capacity - len(resident))
-            if need > 0:
-                before = _state(pol)
-                victims = pol.evict(need, set(keys))
-                if victims is None:
-                    assert _state(pol) == before
-                    continue
-                assert len(victims) == need == len(set(victims))
-                assert set(victims) <= resident
-                assert not set(victims) & (pol.blocked | set(keys))
-                resident.difference_update(victims)
-            pol.blocked.update(new)
-            pol.insert(new)
-            resident.update(new)
-            pol.blocked.difference_update([key for key in new if rng.random() < 0.8])
-        elif op == 2:
-            pol.on_access(keys, set())
-        elif op == 3 and resident:
-            pol.blocked.symmetric_difference_update([rng.choice(sorted(resident))])
-        elif op == 4 and resident:
-            key = rng.choice(sorted(resident))
-            pol.remove(key)
-            pol.blocked.discard(key)
-            resident.discard(key)
-        elif op == 5:
-            n = rng.randint(0, capacity + 1)
-            protected = set(rng.sample(sorted(resident), min(len(resident), 2)))
-            evictable = resident - pol.blocked - protected
-            before = _state(pol)
-            victims = pol.evict(n, protected)
-            if victims is None:
-                assert n > len(evictable)
-                assert _state(pol) == before
-            else:
-                assert len(victims) == n == len(set(victims)) and set(victims) <= evictable
-                resident.difference_update(victims)
-        assert len(pol) == len(resident)
-        assert {key for key in resident if pol.segment(key) is None} == set()
-        assert len(pol.history) <= pol.history_limit
+    exercise(pol, ops, random.Random(seed), invariants=plfu_invariants, snapshot=_state)
 
 
 def _bound(pol: AdaptivePolicy) -> int:
@@ -195,25 +149,7 @@ def test_manager_with_adaptive_pins_leases_failures_and_declines() -> None:
                          max_leased_blocks=16)
     assert isinstance(mgr.policy, AdaptivePolicy)
     mgr.policy.configure(8, True)
-    rng = random.Random(7)
-    for i in range(600):
-        base = rng.randint(0, 5) * 10
-        keys = ks(range(base, base + rng.randint(1, 8)))
-        ctx = RequestContext(f"r{i}")
-        ctx.set_positions(keys, 16, 16)
-        n = mgr.lookup(keys, ctx)
-        if n:
-            mgr.prepare_load(keys[:n], ctx)
-        out = mgr.prepare_store(keys, ctx)
-        if out is not None and out.keys_to_store:
-            assert out.keys_to_store == [x for x in keys if x in out.keys_to_store]
-            mgr.complete_store(out.keys_to_store, ctx, success=rng.random() < 0.9)
-        if n:
-            mgr.complete_load(keys[:n], ctx)
-        mgr.on_request_finished(ctx)
-        stats = mgr.stats()
-        assert stats["resident"] + stats["free"] == 16
-        assert mgr.debug_state()["policy_size"] == stats["resident"]
+    drive_manager(mgr, random.Random(7), 600, prefixes=6)
     assert mgr.stats()["stores_skipped"] > 0  # admission declined some
 
 
