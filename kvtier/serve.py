@@ -63,7 +63,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="CPU memory for offloaded KV blocks (bytes; K/M/G/T, Ki/Mi/Gi/Ti "
                    "suffixes; default a quarter of this machine's memory, at most 16 GiB)")
     p.add_argument("--policy", default=None, metavar="NAME",
-                   help="eviction policy: default, plfu, lru, arc or module.path:ClassName")
+                   help="eviction policy: default (adaptive), plfu, lru, arc, "
+                        "or module.path:ClassName")
     p.add_argument("--store-threshold", type=positive_int, default=None, metavar="K",
                    help="requests that must offer a new block before it is stored (default 1)")
     p.add_argument("--disk-path", default=None, metavar="DIR",

@@ -13,7 +13,14 @@ from test_plfu import OPS, plfu_invariants
 
 import kvtier
 from kvtier import OffloadManager, RequestContext
-from kvtier.policies import DEFAULT_POLICY, POLICIES, AdaptivePolicy, EvictionPolicy, make_policy
+from kvtier.policies import (
+    DEFAULT_POLICY,
+    POLICIES,
+    AdaptivePolicy,
+    EvictionPolicy,
+    make_policy,
+    policy_class,
+)
 
 
 def k(i: int) -> bytes:
@@ -53,9 +60,11 @@ def _request(pol: AdaptivePolicy, keys: list[bytes]) -> list[bytes]:
     return victims
 
 
-def test_registered_under_its_own_name_and_not_the_default() -> None:
+def test_registered_and_the_default() -> None:
     assert POLICIES["adaptive"] is AdaptivePolicy
-    assert DEFAULT_POLICY == "plfu"
+    assert DEFAULT_POLICY == "adaptive"
+    assert policy_class("default") is AdaptivePolicy
+    assert isinstance(OffloadManager(8, policy="default").policy, AdaptivePolicy)
     pol = make_policy("adaptive", 100)
     assert isinstance(pol, AdaptivePolicy)
     assert pol.configuration() == AdaptivePolicy.START

@@ -18,7 +18,7 @@ POLICIES: dict[str, type[EvictionPolicy]] = {
 }
 """Built-in policies by name."""
 
-DEFAULT_POLICY = PLFUPolicy.name
+DEFAULT_POLICY = AdaptivePolicy.name
 """The policy the name ``"default"`` selects (docs/policy.md says why)."""
 
 

@@ -1,5 +1,5 @@
-"""Adaptive PLFU: PLFU whose history length and admission are chosen online by
-miniature simulation (SHARDS-style shadow caches).
+"""Adaptive PLFU, kvtier's default policy: PLFU whose history length and
+admission are chosen online by miniature simulation (SHARDS-style shadow caches).
 
 docs/policy.md ("Adaptive") has the measurements behind it.
 """
@@ -112,6 +112,11 @@ class AdaptivePolicy(PLFUPolicy):
     changed little in measurement)."""
     START = (8, False)
     """Configuration before the first decision (PLFU's)."""
+    STEP_SCALE = 2048
+    """PLFU's window target moves ``capacity / STEP_SCALE`` blocks per ghost hit
+    (PLFU: 8192). Four times PLFU's step lets a large cache follow a change of
+    traffic within one pass of the new working set (on the phase traces at
+    16,000 blocks it recovers LRU's hits; docs/policy.md, "Adaptive PLFU")."""
     SHADOW_BLOCKS = 64
     """Shadow size aimed at: the sampling rate is ``SHADOW_BLOCKS / capacity``..."""
     MAX_RATE = 1 / 32
@@ -162,6 +167,18 @@ class AdaptivePolicy(PLFUPolicy):
             total["shadow_ghosts"] += inner["ghost_window"] + inner["ghost_main"]
         sizes.update(total)
         return sizes
+
+    def size_bounds(self, batch: int) -> dict[str, int]:
+        bounds = super().size_bounds(batch)
+        bounds["history"] = max(self.FACTORS) * self.capacity + batch
+        total = {"shadow_resident": 0, "shadow_history": 0, "shadow_ghosts": 0}
+        for s in self.shadows:
+            inner = s.policy.size_bounds(batch)
+            total["shadow_resident"] += s.capacity
+            total["shadow_history"] += max(self.FACTORS) * s.capacity + batch
+            total["shadow_ghosts"] += inner["ghost_window"] + inner["ghost_main"]
+        bounds.update(total)
+        return bounds
 
     def configuration(self) -> tuple[int, bool]:
         """The active (history factor, admission)."""

@@ -1,4 +1,5 @@
-"""PLFU: an adaptive, prefix-aware frequency policy (kvtier's default).
+"""PLFU: a prefix-aware frequency policy with a learned recency window
+(the base of the default policy, ``adaptive``).
 
 docs/policy.md has the design and the measurements behind it.
 """
@@ -144,6 +145,14 @@ class PLFUPolicy(EvictionPolicy):
             "ghost_window": len(self._g1) + len(self._g1_old),
             "ghost_main": len(self._g2) + len(self._g2_old),
         }
+
+    def size_bounds(self, batch: int) -> dict[str, int]:
+        """Upper bound of each ``sizes()`` entry while no request offers or
+        uses more than ``batch`` keys (what the class docstring promises)."""
+        ghosts = 2 * self._generation + batch  # two generations, each one batch over
+        return {"window": self.capacity, "main": self.capacity,
+                "history": self.history_limit + batch,
+                "ghost_window": ghosts, "ghost_main": ghosts}
 
     def segment(self, key: bytes) -> str | None:
         """``"window"``, ``"main"`` or None (not resident)."""

@@ -203,10 +203,8 @@ def _policy_bounds(name: str, cpu: int, longest: int) -> dict[str, int]:
     """The policy's ``sizes()`` bounds (see each policy's docstring)."""
     cls = policy_class(name)
     if issubclass(cls, PLFUPolicy):
-        ghosts = 2 * (3 * cpu // 4) + longest  # two generations, each one batch over
-        return {"manager.policy.window": cpu, "manager.policy.main": cpu,
-                "manager.policy.history": 8 * cpu + longest,
-                "manager.policy.ghost_window": ghosts, "manager.policy.ghost_main": ghosts}
+        bounds = cls(cpu).size_bounds(longest)
+        return {f"manager.policy.{k}": v for k, v in bounds.items()}
     if cls.name == "arc":
         return {f"manager.policy.{n}": cpu for n in ("t1", "t2", "b1", "b2")}
     return {"manager.policy.resident": cpu}

@@ -24,10 +24,12 @@ from kvtier.policies import EvictionPolicy, PLFUPolicy
 Op = tuple[int, Sequence[int]]
 """(operation 0..5, hash ids of the request it works on)."""
 OPERATIONS = 6
+LONGEST = 8
+"""Most keys one operation works on (``random_ops``, ``OPS``)."""
 
 
 def random_ops(rng: random.Random, steps: int, universe: int = 40,
-               longest: int = 8) -> list[Op]:
+               longest: int = LONGEST) -> list[Op]:
     """``steps`` operations over hash ids ``0..universe``."""
     return [(rng.randrange(OPERATIONS),
              [rng.randint(0, universe) for _ in range(rng.randint(1, longest))])
@@ -144,13 +146,13 @@ def plfu_invariants(pol: EvictionPolicy, resident: set[bytes]) -> None:
     assert isinstance(pol, PLFUPolicy)
     assert {key for key in resident if pol.segment(key) is None} == set()
     assert len(pol.history) <= pol.history_limit
-    sizes = pol.sizes()
-    assert sizes["ghost_window"] <= 2 * pol.capacity + 8
-    assert sizes["ghost_main"] <= 2 * pol.capacity + 8
+    sizes, bounds = pol.sizes(), pol.size_bounds(LONGEST)
+    assert sizes.keys() == bounds.keys()
+    assert all(sizes[name] <= bounds[name] for name in sizes), (sizes, bounds)
     assert 0.0 <= pol.target <= pol.capacity
     assert pol.MIN_SHARE <= pol.lfu_share <= 1 - pol.MIN_SHARE
 
 
 OPS = st.lists(st.tuples(st.integers(0, OPERATIONS - 1), st.lists(
-    st.integers(0, 30), min_size=1, max_size=8)), max_size=60)
+    st.integers(0, 30), min_size=1, max_size=LONGEST)), max_size=60)
 """Operations for hypothesis (``exercise``'s ``ops``)."""
