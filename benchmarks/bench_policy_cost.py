@@ -7,7 +7,8 @@ machine noise falls on every policy alike. Reported per cell: the best of
 ``--rounds`` runs in microseconds per offered key, and the median over
 rounds of its ratio to LRU's run at the same capacity in the same round
 (issue 11 asks for <= 1.5x); on a shared machine the paired ratio is the
-steadier figure.
+steadier figure, and pinning the process to one core (``taskset -c 1``)
+steadier still.
 
     python benchmarks/bench_policy_cost.py [--policies lru,plfu,adaptive]
         [--capacity 1000,4000,16000] [--rounds 5] [--json] [TRACE]

@@ -121,8 +121,10 @@ class AdaptivePolicy(PLFUPolicy):
     """Shadow size aimed at: the sampling rate is ``SHADOW_BLOCKS / capacity``..."""
     MAX_RATE = 1 / 32
     """...at most this (small caches: the shadows cost at most this share each)..."""
-    MIN_RATE = 1 / 128
-    """...and at least this (large caches get larger shadows)."""
+    MIN_RATE = 1 / 256
+    """...and at least this (caches past 16,384 blocks get larger shadows;
+    1/128 cost a third of a microsecond per key at 16,000 blocks and chose
+    the same configurations there, docs/policy.md "Cost")."""
     MIN_SHADOW = 8
     """Smallest shadow capacity, in blocks."""
     DECAY = 1 - 1 / max(FACTORS)
