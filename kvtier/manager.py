@@ -69,6 +69,10 @@ class OffloadManager:
     ) -> None:
         self.num_blocks = _positive_int("num_blocks", num_blocks)
         self.policy: EvictionPolicy = make_policy(policy, num_blocks)
+        self.policy_admission = True
+        """Whether the policy's ``admit`` may decline new blocks (when it
+        ``wants_admission``); a ``TierCascade`` turns it off, since the tiers
+        below store what the CPU tier stores."""
         tracker = AdmissionTracker(store_threshold, max_tracker_size)
         self.store_threshold = store_threshold
         self._tracker = tracker if store_threshold >= 2 else None
@@ -345,7 +349,7 @@ class OffloadManager:
         candidates = self._record_offer(keys, ctx)
         if candidates and self._tracker is not None:
             candidates = self._admit(candidates, ctx)
-        if candidates and self.policy.wants_admission:
+        if candidates and self.policy_admission and self.policy.wants_admission:
             candidates = self._policy_admit(candidates, ctx)
         if not candidates:
             return PrepareStoreOutput([], [], [])

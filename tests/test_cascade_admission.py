@@ -209,3 +209,36 @@ def test_a_block_promoted_from_one_tier_is_written_to_the_other(
         assert c.stats()["duplicate_writes_skipped"] == 1  # the source tier is not rewritten
     finally:
         c.shutdown()
+
+
+def test_a_cascade_turns_the_cpu_policys_own_admission_off(
+    tmp_path: Path, region: SlotRegion
+) -> None:
+    """The tiers below are fed from the CPU tier: with admission on, new blocks
+    the history never saw would reach no tier at all once the CPU tier is full."""
+    from kvtier.policies import AdaptivePolicy
+
+    alone = OffloadManager(SLOTS, policy="adaptive")
+    assert isinstance(alone.policy, AdaptivePolicy)
+    alone.policy.configure(8, True)
+    under = OffloadManager(SLOTS, policy="adaptive")
+    assert isinstance(under.policy, AdaptivePolicy)
+    under.policy.configure(8, True)
+    tier = disk(tmp_path)
+    c = TierCascade(under, region, [tier])
+    try:
+        assert alone.policy_admission and not under.policy_admission
+        for i in range(4):
+            ids = list(range(10 * i, 10 * i + SLOTS))
+            offer(c, region, ids, f"r{i}")
+            assert c.drain()  # written, so the next request may evict them
+            ctx = RequestContext(f"alone{i}")
+            out = alone.prepare_store([block_key(j) for j in ids], ctx)
+            if out is not None and out.keys_to_store:
+                alone.complete_store(out.keys_to_store, ctx)
+            alone.on_request_finished(ctx)
+        assert alone.stores_skipped > 0  # the control: alone, the policy declines
+        assert under.stores_skipped == 0
+        assert all(all(on_disk(tier, range(10 * i, 10 * i + SLOTS))) for i in range(4))
+    finally:
+        c.shutdown()
