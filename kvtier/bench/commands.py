@@ -15,9 +15,14 @@ from kvtier.errors import CommandError
 from kvtier.progress import make_progress
 
 
+def _split(text: str) -> tuple[str, ...]:
+    """The comma-separated items of ``text``, stripped, each once, in order."""
+    return tuple(dict.fromkeys(n.strip() for n in text.split(",")))
+
+
 def _names(allowed: tuple[str, ...]) -> Any:
     def parse(text: str) -> tuple[str, ...]:
-        names = tuple(dict.fromkeys(n.strip() for n in text.split(",")))
+        names = _split(text)
         bad = [n for n in names if n not in allowed]
         if bad or not names:
             raise argparse.ArgumentTypeError(
@@ -27,8 +32,8 @@ def _names(allowed: tuple[str, ...]) -> Any:
 
 
 def _configs(text: str) -> tuple[str, ...]:
-    names = tuple(dict.fromkeys(n.strip() for n in text.split(",")))
-    if not names or not all(names):
+    names = _split(text)
+    if not all(names):
         raise argparse.ArgumentTypeError("empty configuration name")
     try:
         return tuple(serving.check_config(n) for n in names)
@@ -37,7 +42,7 @@ def _configs(text: str) -> tuple[str, ...]:
 
 
 def _sizes(text: str) -> tuple[int, ...]:
-    return tuple(dict.fromkeys(positive_int(n.strip()) for n in text.split(",")))
+    return tuple(dict.fromkeys(positive_int(n) for n in _split(text)))
 
 
 def add_bench_parser(commands: Any) -> None:

@@ -197,8 +197,10 @@ class AdaptivePolicy(PLFUPolicy):
     # -- the contract --------------------------------------------------------
 
     def admit(self, keys: list[bytes]) -> int:
+        if not self.admission:  # checked first: len(self) costs more than the rest
+            return len(keys)
         room = self.capacity - len(self)
-        if not self.admission or len(keys) <= room:
+        if len(keys) <= room:
             return len(keys)
         counts = self._counts
         for i, key in enumerate(keys):
