@@ -1,10 +1,11 @@
 """The policy benchmarks run and say what they claim (benchmarks/admission_oracles.py,
-benchmarks/bench_policy_cost.py)."""
+bench_policy_cost.py, bench_adaptive_parts.py, count_policy_instructions.py)."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -64,3 +65,33 @@ def test_policy_cost_reports_every_policy_against_lru(
         (p, c) for c in (8, 16) for p in ("lru", "plfu", "default")]
     assert all(r["us_per_key"] > 0 for r in rows)
     assert all(r["vs_lru"] == 1.0 for r in rows if r["policy"] == "lru")
+
+
+def test_adaptive_parts_times_the_filter_and_the_shadows(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    parts = _load("bench_adaptive_parts")
+    trace = _loop_with_one_offs(tmp_path / "t.jsonl")
+    requests = [list(r) for r in parts.trace_keys(parts.load_trace(trace))]
+    m = parts.measure(requests, 8, 1)
+    assert 0 < m["sampled_requests"] <= 1  # 1/32 of ~800 distinct keys: some requests
+    assert m["lru"] > 0 and m["filter"] > 0 and m["shadows"] > 0
+    assert parts.main([str(trace), "--capacity", "8,16", "--repeats", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in lines[1:]] == ["8", "16"]
+
+
+def test_instruction_count_is_read_from_cachegrind_summary() -> None:
+    counts = _load("count_policy_instructions")
+    stderr = "==1== Cachegrind\n==1== \n==1== I   refs:      7,745,799,219\n"
+    assert counts.parse_refs(stderr) == 7_745_799_219
+    with pytest.raises(RuntimeError, match="I refs"):
+        counts.parse_refs("==1== valgrind: failed to start tool\n")
+
+
+@pytest.mark.skipif(shutil.which("valgrind") is None, reason="valgrind not installed")
+def test_instruction_count_of_a_replay_exceeds_loading_alone(tmp_path: Path) -> None:
+    counts = _load("count_policy_instructions")
+    trace = _loop_with_one_offs(tmp_path / "t.jsonl")
+    load, keys = counts.count(trace, counts.LOAD_ONLY, 0)
+    run, same_keys = counts.count(trace, "lru", 8)
+    assert keys == same_keys == 200 * 7 and run > load

@@ -1,0 +1,80 @@
+"""What the adaptive policy adds to PLFU per offered key, part by part.
+
+``bench_policy_cost.py`` compares whole replays, whose run-to-run noise on a
+shared machine (several percent) hides a part that costs a few percent. This
+times the two parts alone, on the keys a replay would give them: the CRC-32
+filter that picks the sampled keys (it runs over every key of every
+request), and the five shadow caches fed the sampled keys of each request.
+For scale it also times LRU's whole replay; a part's ``x LRU`` is its time
+per key over LRU's manager time per key. Best of ``--repeats`` for each.
+
+    python benchmarks/bench_adaptive_parts.py [--capacity 1000,4000,16000]
+        [--repeats 5] [TRACE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import zlib
+from pathlib import Path
+
+from kvtier.policies.adaptive import AdaptivePolicy, _Shadow
+from kvtier.replay.driver import replay, trace_keys
+from kvtier.replay.trace import BUNDLED_TRACE, load_trace
+
+
+def filter_seconds(requests: list[list[bytes]], threshold: int) -> float:
+    """One pass of adaptive's sampling filter over every request."""
+    crc = zlib.crc32
+    start = time.perf_counter()
+    for keys in requests:
+        [k for k in keys if crc(k) < threshold]
+    return time.perf_counter() - start
+
+
+def shadow_seconds(policy: AdaptivePolicy, sampled: list[list[bytes]]) -> float:
+    """Feed fresh shadows (``policy``'s candidates and size) every sampled request."""
+    shadows = [_Shadow(policy._shadow_capacity, f, adm) for f, adm in policy.CANDIDATES]
+    start = time.perf_counter()
+    for keys in sampled:
+        for s in shadows:
+            s.access(keys)
+    return time.perf_counter() - start
+
+
+def measure(requests: list[list[bytes]], capacity: int, repeats: int) -> dict[str, float]:
+    """Microseconds per offered key of LRU's replay and of each part."""
+    n_keys = sum(map(len, requests))
+    policy = AdaptivePolicy(capacity)
+    crc, threshold = zlib.crc32, policy._threshold
+    sampled = [s for s in ([k for k in keys if crc(k) < threshold] for keys in requests) if s]
+    lru = min(replay(requests, capacity, "lru").us_per_key for _ in range(repeats))
+    filt = min(filter_seconds(requests, threshold) for _ in range(repeats))
+    shad = min(shadow_seconds(policy, sampled) for _ in range(repeats))
+    return {"lru": lru, "filter": filt / n_keys * 1e6, "shadows": shad / n_keys * 1e6,
+            "sampled_requests": len(sampled) / len(requests)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("trace", nargs="?", type=Path, default=BUNDLED_TRACE)
+    ap.add_argument("--capacity", default="1000,4000,16000")
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args(argv)
+    if args.repeats < 1:
+        ap.error("--repeats must be >= 1")
+    requests = trace_keys(load_trace(args.trace))
+    print(f"{'capacity':>8s} {'sampled req':>11s} {'LRU us/key':>10s} "
+          f"{'filter us/key':>13s} {'x LRU':>6s} {'shadows us/key':>14s} {'x LRU':>6s}")
+    for capacity in (int(c) for c in args.capacity.split(",")):
+        m = measure(requests, capacity, args.repeats)
+        print(f"{capacity:8d} {m['sampled_requests']:11.1%} {m['lru']:10.3f} "
+              f"{m['filter']:13.3f} {m['filter'] / m['lru']:6.3f} "
+              f"{m['shadows']:14.3f} {m['shadows'] / m['lru']:6.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
