@@ -39,6 +39,7 @@ unit: venv
 lint: venv
 	$(VENV)/bin/ruff check kvtier tests benchmarks
 	$(VENV)/bin/mypy
+	$(VENV)/bin/mypy benchmarks
 
 # The real vLLM engine with kvtier on the tiny local model, multi-turn chat.
 demo: venv

@@ -99,8 +99,10 @@ def main(argv: list[str] | None = None) -> int:
     best = (base, 0.0)
     for tenth in range(1, 10):
         good = {c for c in offered if reused[c] >= offered[c] * tenth / 10}
-        ratio = lru_hits(requests, args.capacity,
-                         lambda h, first, pos, good=good: not first or classes[h] in good)
+        def by_shape(h: int, first: bool, pos: int,
+                     good: set[tuple[int, int]] = good) -> bool:
+            return not first or classes[h] in good
+        ratio = lru_hits(requests, args.capacity, by_shape)
         best = max(best, (ratio, tenth / 10))
     print(f"{'cache':10s} {'hit ratio':>9s} {'x LRU':>6s}")
     for name, ratio, note in (("lru", base, ""), ("oracle", oracle, ""),

@@ -57,19 +57,20 @@ def run_vllm(
     traces: list[list[bytes]], capacity: int, policy: str, threshold: int, positions: bool
 ) -> tuple[float, float]:
     """Replay through vLLM's manager (per-key lookup, its API); same return."""
-    from vllm.v1.kv_offload.base import LookupResult, ReqContext
+    from vllm.v1.kv_offload.base import LookupResult, OffloadKey, ReqContext
     from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
+    vtraces = [[OffloadKey(k) for k in keys] for keys in traces]  # vLLM's key type
     mgr = CPUOffloadingManager(capacity, cache_policy=policy, store_threshold=threshold)
     contexts = [ReqContext(str(i)) for i in range(len(traces))]
     if positions:
-        for ctx, keys in zip(contexts, traces, strict=True):
+        for ctx, keys in zip(contexts, vtraces, strict=True):
             for j, key in enumerate(keys):
                 ctx.set_offload_key_position(key, (j + 1) * BLOCK_TOKENS)
     hit = LookupResult.HIT
     hits = offered = 0
     start = time.perf_counter()
-    for ctx, keys in zip(contexts, traces, strict=True):
+    for ctx, keys in zip(contexts, vtraces, strict=True):
         mgr.on_new_request(ctx)
         n = 0
         for key in keys:
