@@ -17,26 +17,25 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-import zlib
 from pathlib import Path
 
-from kvtier.policies.adaptive import AdaptivePolicy, _Shadow
+from kvtier.policies.adaptive import AdaptivePolicy
 from kvtier.replay.driver import replay, trace_keys
 from kvtier.replay.trace import BUNDLED_TRACE, load_trace
 
 
-def filter_seconds(requests: list[list[bytes]], threshold: int) -> float:
+def filter_seconds(policy: AdaptivePolicy, requests: list[list[bytes]]) -> float:
     """One pass of adaptive's sampling filter over every request."""
-    crc = zlib.crc32
+    sampled = policy.sampled
     start = time.perf_counter()
     for keys in requests:
-        [k for k in keys if crc(k) < threshold]
+        sampled(keys)
     return time.perf_counter() - start
 
 
-def shadow_seconds(policy: AdaptivePolicy, sampled: list[list[bytes]]) -> float:
-    """Feed fresh shadows (``policy``'s candidates and size) every sampled request."""
-    shadows = [_Shadow(policy._shadow_capacity, f, adm) for f, adm in policy.CANDIDATES]
+def shadow_seconds(capacity: int, sampled: list[list[bytes]]) -> float:
+    """Feed a fresh policy's shadows every sampled request."""
+    shadows = AdaptivePolicy(capacity).shadows
     start = time.perf_counter()
     for keys in sampled:
         for s in shadows:
@@ -48,11 +47,10 @@ def measure(requests: list[list[bytes]], capacity: int, repeats: int) -> dict[st
     """Microseconds per offered key of LRU's replay and of each part."""
     n_keys = sum(map(len, requests))
     policy = AdaptivePolicy(capacity)
-    crc, threshold = zlib.crc32, policy._threshold
-    sampled = [s for s in ([k for k in keys if crc(k) < threshold] for keys in requests) if s]
+    sampled = [s for s in map(policy.sampled, requests) if s]
     lru = min(replay(requests, capacity, "lru").us_per_key for _ in range(repeats))
-    filt = min(filter_seconds(requests, threshold) for _ in range(repeats))
-    shad = min(shadow_seconds(policy, sampled) for _ in range(repeats))
+    filt = min(filter_seconds(policy, requests) for _ in range(repeats))
+    shad = min(shadow_seconds(capacity, sampled) for _ in range(repeats))
     return {"lru": lru, "filter": filt / n_keys * 1e6, "shadows": shad / n_keys * 1e6,
             "sampled_requests": len(sampled) / len(requests)}
 

@@ -210,8 +210,7 @@ class AdaptivePolicy(PLFUPolicy):
 
     def on_access(self, keys: Sequence[bytes], reused: Container[bytes]) -> None:
         super().on_access(keys, reused)
-        crc, threshold = zlib.crc32, self._threshold
-        sampled = [k for k in keys if crc(k) < threshold]
+        sampled = self.sampled(keys)
         if sampled:
             shadows = self.shadows
             for s in shadows:
@@ -224,6 +223,11 @@ class AdaptivePolicy(PLFUPolicy):
             self._sampled += len(sampled)
             if self._sampled >= self._shadow_capacity:
                 self._decide()
+
+    def sampled(self, keys: Sequence[bytes]) -> list[bytes]:
+        """The keys of ``keys`` the shadows see (CRC-32 below the sampling threshold)."""
+        crc, threshold = zlib.crc32, self._threshold
+        return [k for k in keys if crc(k) < threshold]
 
     def _decide(self) -> None:
         """End of an epoch: update the scores, follow the best shadow."""
