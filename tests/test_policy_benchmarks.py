@@ -86,12 +86,41 @@ def test_instruction_count_is_read_from_cachegrind_summary() -> None:
     assert counts.parse_refs(stderr) == 7_745_799_219
     with pytest.raises(RuntimeError, match="I refs"):
         counts.parse_refs("==1== valgrind: failed to start tool\n")
+    summary = ("==1== LLd misses:        7,023,956  (  4,795,112 rd   +  2,228,844 wr)\n"
+               "==1== LL misses:         7,129,195  (  4,900,351 rd   +  2,228,844 wr)\n")
+    assert counts.parse_l2_misses(summary) == 7_023_956
+    with pytest.raises(RuntimeError, match="LLd misses"):
+        counts.parse_l2_misses(stderr)
+
+
+def test_l2_size_must_be_a_power_of_two() -> None:
+    counts = _load("count_policy_instructions")
+    assert counts.l2_geometry(2048) == "2097152,16,64"
+    for bad in (0, 48, 3072):
+        with pytest.raises(ValueError, match="power of two"):
+            counts.l2_geometry(bad)
 
 
 @pytest.mark.skipif(shutil.which("valgrind") is None, reason="valgrind not installed")
 def test_instruction_count_of_a_replay_exceeds_loading_alone(tmp_path: Path) -> None:
     counts = _load("count_policy_instructions")
     trace = _loop_with_one_offs(tmp_path / "t.jsonl")
-    load, keys = counts.count(trace, counts.LOAD_ONLY, 0)
-    run, same_keys = counts.count(trace, "lru", 8)
-    assert keys == same_keys == 200 * 7 and run > load
+    load = counts.count(trace, counts.LOAD_ONLY, 0)
+    run = counts.count(trace, "lru", 8)
+    assert load.keys == run.keys == 200 * 7 and run.instructions > load.instructions
+    assert load.l2_misses == run.l2_misses == 0  # not simulated
+    cached = counts.count(trace, "lru", 8, l2_kib=64, keep=tmp_path)
+    assert cached.l2_misses > 0 and cached.keys == run.keys
+    assert (tmp_path / "lru-8.cg").stat().st_size > 0
+
+
+def test_instruction_table_subtracts_the_load_and_divides_by_lru(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    counts = _load("count_policy_instructions")
+    c = counts.Counts
+    runs = {(counts.LOAD_ONLY, 0): c(1_000, 10, 100), ("lru", 8): c(3_000, 30, 100),
+            ("plfu", 8): c(4_000, 50, 100)}
+    counts.print_table(runs, ["lru", "plfu"], [8], True)
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[1:]]
+    assert rows == [["lru", "8", "20", "1.000", "0.20", "1.000"],
+                    ["plfu", "8", "30", "1.500", "0.40", "2.000"]]

@@ -52,7 +52,7 @@ class _Shadow:
                     if key not in counts:
                         break
                     n += 1
-                missing = missing[:max(n, room)]
+                missing = missing[:n if n > room else room]
             if missing:
                 over = len(resident) + len(missing) - self.capacity
                 if over > 0:
@@ -205,7 +205,7 @@ class AdaptivePolicy(PLFUPolicy):
         counts = self._counts
         for i, key in enumerate(keys):
             if key not in counts:
-                return max(i, room)
+                return i if i > room else room
         return len(keys)
 
     def on_access(self, keys: Sequence[bytes], reused: Container[bytes]) -> None:
