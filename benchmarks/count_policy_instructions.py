@@ -35,15 +35,12 @@ from kvtier.replay.trace import BUNDLED_TRACE
 
 BASELINE = "lru"
 LOAD_ONLY = "-"
-_RUN = """
-import sys
-from kvtier.replay.driver import replay, trace_keys
-from kvtier.replay.trace import load_trace
-requests = trace_keys(load_trace(sys.argv[1]))
-print(sum(map(len, requests)))
-if sys.argv[2] != "-":
-    replay(requests, int(sys.argv[3]), sys.argv[2])
-"""
+_RUN = ("import sys; from kvtier.replay.driver import replay, trace_keys; "
+        "from kvtier.replay.trace import load_trace; "
+        "requests = trace_keys(load_trace(sys.argv[1])); print(sum(map(len, requests))); "
+        "sys.argv[2] == '-' or replay(requests, int(sys.argv[3]), sys.argv[2])")
+"""The child's program: one line, since cachegrind's file records the command
+line and ``cg_annotate`` reads only a one-line one."""
 _REFS = re.compile(r"I\s+refs:\s+([\d,]+)")
 _L2_MISSES = re.compile(r"LLd\s+misses:\s+([\d,]+)")
 L1D = "49152,12,64"
