@@ -85,5 +85,6 @@ def summarize(policy: str, capacity: int, times: list[float],
             "vs_lru": round(statistics.median(ratios), 2),
             "vs_lru_q1": round(q1, 2), "vs_lru_q3": round(q3, 2)}
 
+
 if __name__ == "__main__":
     sys.exit(main())

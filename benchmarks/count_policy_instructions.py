@@ -114,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as exc:
             ap.error(str(exc))
     if args.keep is not None:
+        if args.keep.exists() and not args.keep.is_dir():
+            ap.error(f"--keep: {args.keep} exists and is not a directory")
         args.keep.mkdir(parents=True, exist_ok=True)
     policies = list(dict.fromkeys([BASELINE, *args.policies.split(",")]))
     capacities = [int(c) for c in args.capacity.split(",")]

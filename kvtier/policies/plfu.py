@@ -380,12 +380,10 @@ class PLFUPolicy(EvictionPolicy):
                 if least is None or head < least:
                     best, least = c, head
             key = heads.pop(best)[1]
-            limit = None
+            limit = (1 << 62, 0)  # above any priority: no runner-up
             for c, (p, _) in heads.items():
-                if limit is None or (p, c) < limit:
+                if (p, c) < limit:
                     limit = (p, c)
-            if limit is None:
-                limit = (1 << 62, 0)
             out.append(key)
             if len(out) == k:
                 break
