@@ -139,13 +139,26 @@ def test_malformed_line_names_file_and_line(tmp_path: Path) -> None:
         ("[1, 2]", "expected a JSON object"),
         ('{"hash_ids": "1"}', "'hash_ids' must be a list"),
         ('{"hash_ids": [-1]}', "'hash_ids' must be a list"),
-        ('{"hash_ids": [1], "timestamp": 1.5}', "'timestamp' must be a non-negative int"),
+        ('{"hash_ids": [1], "timestamp": -1}', "'timestamp' must be a non-negative number"),
+        ('{"hash_ids": [1], "timestamp": "5"}', "'timestamp' must be a non-negative number"),
+        ('{"hash_ids": [1], "timestamp": NaN}', "'timestamp' must be a non-negative number"),
+        ('{"hash_ids": [1], "input_length": 1.5}', "'input_length' must be a non-negative int"),
+        ('{"hash_ids": [1], "output_length": true}', "'output_length' must be a non-negative int"),
     ],
 )
 def test_invalid_request_lines(tmp_path: Path, line: str, message: str) -> None:
     path = _write(tmp_path, ['{"hash_ids": [1]}', line])
     with pytest.raises(TraceFormatError, match=rf":2: {message}"):
         load_trace(path)
+
+
+def test_float_timestamps_and_integral_float_lengths_are_read(tmp_path: Path) -> None:
+    # vLLM's timed_trace client reads timestamps as floats; table exports write 512.0
+    path = _write(tmp_path, ['{"timestamp": 1.5, "input_length": 512.0, "output_length": 7,'
+                             ' "hash_ids": [1]}'])
+    (request,) = load_trace(path)
+    assert (request.timestamp, request.input_length, request.output_length) == (1.5, 512, 7)
+    assert isinstance(request.input_length, int)
 
 
 def test_non_utf8_line_is_a_format_error(tmp_path: Path) -> None:

@@ -58,8 +58,3 @@ def longest_request(path: Path) -> int:
     """Prompt plus output tokens of the longest request of a (scaled) trace."""
     return max((r.input_length + r.output_length for r in iter_trace(path)), default=1)
 
-
-def span_ms(path: Path) -> int:
-    """Milliseconds from the trace's first arrival to its last."""
-    stamps = [r.timestamp for r in iter_trace(path)]
-    return max(stamps) - min(stamps) if stamps else 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,18 +31,34 @@ class TraceFormatError(KVTierError, ValueError):
 
 @dataclass(frozen=True, slots=True)
 class TraceRequest:
-    """One request of a trace: arrival (ms), lengths (tokens) and prefix blocks."""
+    """One request of a trace: arrival (ms, an int or a float as the file has
+    it), lengths (tokens) and prefix blocks."""
 
-    timestamp: int
+    timestamp: float
     input_length: int
     output_length: int
     hash_ids: tuple[int, ...]
 
 
-def _field(obj: dict[str, Any], name: str, where: str) -> int:
-    value = obj.get(name, 0 if name != "hash_ids" else None)
+def _length(obj: dict[str, Any], name: str, where: str) -> int:
+    """A token count: a non-negative int (an integral float such as ``512.0``,
+    as table exports write them, is taken as that int); 0 when absent."""
+    value = obj.get(name, 0)
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise TraceFormatError(f"{where}: {name!r} must be a non-negative int, got {value!r}")
+    return value
+
+
+def _timestamp(obj: dict[str, Any], where: str) -> float:
+    """The arrival in ms: any finite non-negative number (vLLM's ``timed_trace``
+    client reads it as a float too); 0 when absent."""
+    value = obj.get("timestamp", 0)
+    if (isinstance(value, bool) or not isinstance(value, (int, float))
+            or not math.isfinite(value) or value < 0):
+        raise TraceFormatError(
+            f"{where}: 'timestamp' must be a non-negative number of ms, got {value!r}")
     return value
 
 
@@ -59,9 +76,9 @@ def parse_line(line: str, where: str) -> TraceRequest:
     ):
         raise TraceFormatError(f"{where}: 'hash_ids' must be a list of ints in [0, 2**64)")
     return TraceRequest(
-        _field(obj, "timestamp", where),
-        _field(obj, "input_length", where),
-        _field(obj, "output_length", where),
+        _timestamp(obj, where),
+        _length(obj, "input_length", where),
+        _length(obj, "output_length", where),
         tuple(ids),
     )
 
