@@ -89,6 +89,7 @@ class OffloadManager:
         self._lease_count: dict[bytes, int] = {}
         self._blocked = self.policy.blocked
         self._wants_reuse = self.policy.wants_reuse
+        self._wants_demand = self.policy.wants_demand
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
         # Promotions in flight (also in ``_writing``) and internal pins (also
         # counted in ``_pins``): see ``reserve`` / ``pin_internal``.
@@ -142,6 +143,8 @@ class OffloadManager:
         """
         self._sync(ctx)
         keys = check_keys(keys)
+        if keys and ctx.first_asked is None:
+            ctx.first_asked = keys[0]
         now = self._expire_leases()
         slot, writing = self._slot, self._writing
         hits = 0
@@ -199,6 +202,8 @@ class OffloadManager:
         """Classify one key; a HIT is leased to ``ctx`` (MISS when out of lease budget)."""
         self._sync(ctx)
         check_keys((key,))
+        if ctx.first_asked is None:
+            ctx.first_asked = key
         if key in self._writing:
             return LookupResult.HIT_PENDING
         now = self._expire_leases()
@@ -622,7 +627,11 @@ class OffloadManager:
             held: Container[bytes] = self._slot
             if ctx.declined:
                 held = _Either(self._slot, ctx.declined)
-            self.policy.on_access(ctx.access_order(held), ctx.reused)
+            keys = ctx.access_order(held)
+            if self._wants_demand:
+                self.policy.on_demand_access(keys, ctx.reused, ctx.asked_from(keys))
+            else:
+                self.policy.on_access(keys, ctx.reused)
         ctx.clear_request_state()
         ctx.positions = {}  # rebind: the dict may be shared with the engine
 

@@ -26,6 +26,8 @@ class RequestContext:
       to store (``EvictionPolicy.admit``); its access still counts them;
     * ``tier_counted``: keys the tier cascade already counted as used by this
       request (its per-tier admission, ``kvtier.tiers.cascade``);
+    * ``first_asked``: the first key it looked up (None before any lookup): the
+      keys ahead of it were served by a cache in front, such as the engine's;
     * ``leased``: keys leased to it by ``lookup`` (at most the manager's
       ``max_leases_per_request``); ``loading``: keys pinned by its loads, with
       counts; ``writing``: keys it was granted for storing and has not completed;
@@ -50,6 +52,7 @@ class RequestContext:
         "skipped",
         "declined",
         "ghost_checked",
+        "first_asked",
         "leased",
         "loading",
         "writing",
@@ -73,6 +76,7 @@ class RequestContext:
         self.skipped: set[bytes] = set()
         self.declined: set[bytes] = set()
         self.ghost_checked: set[bytes] = set()
+        self.first_asked: bytes | None = None
         self.leased: set[bytes] = set()
         self.loading: dict[bytes, int] = {}
         self.writing: set[bytes] = set()
@@ -124,6 +128,26 @@ class RequestContext:
             keys.sort(key=positions.__getitem__)
         return keys
 
+    def asked_from(self, keys: list[bytes]) -> int:
+        """Index of the first of ``keys`` (an ``access_order``, head first) that
+        the request asked the cache for: ``first_asked``, or failing that the
+        first key at or past its position; 0 when it never looked up."""
+        first = self.first_asked
+        if first is None:
+            return 0
+        try:
+            return keys.index(first)
+        except ValueError:  # not held any more: place it by position
+            pass
+        positions = self.positions
+        at = positions.get(first)
+        if at is None:
+            return 0
+        for i, key in enumerate(keys):
+            if positions.get(key, -1) >= at:
+                return i
+        return len(keys)
+
     def clear_request_state(self) -> None:
         """Forget everything but identity, owed completions and the epoch."""
         self.access_log.clear()
@@ -134,6 +158,7 @@ class RequestContext:
         self.skipped.clear()
         self.declined.clear()
         self.ghost_checked.clear()
+        self.first_asked = None
         self.leased.clear()
 
     def __repr__(self) -> str:

@@ -18,9 +18,13 @@ from kvtier.policies import (
     POLICIES,
     AdaptivePolicy,
     EvictionPolicy,
+    LRUPolicy,
     make_policy,
     policy_class,
 )
+from kvtier.policies.adaptive import _Shadow
+from kvtier.replay.behind_engine import replay_behind_engine, served_requests
+from kvtier.replay.generate import generate
 
 
 def k(i: int) -> bytes:
@@ -193,3 +197,96 @@ def test_configure_takes_only_candidates() -> None:
     assert pol.configuration() == (32, True) and pol.history_limit == 320
     with pytest.raises(ValueError):
         pol.configure(5, True)
+
+
+# -- what the request asked for (behind a cache in front) --------------------------
+
+DEMANDS: list[tuple[list[bytes], int]] = []
+"""What ``_DemandRecorder`` was told, access by access."""
+
+
+class _DemandRecorder(LRUPolicy):
+    wants_demand = True
+
+    def on_demand_access(self, keys, reused, asked_from):  # type: ignore[no-untyped-def]
+        DEMANDS.append((list(keys), asked_from))
+        super().on_demand_access(keys, reused, asked_from)
+
+
+class _PlainRecorder(_DemandRecorder):
+    wants_demand = False  # negative control: the manager must call on_access only
+
+
+class _NoDemand(AdaptivePolicy):
+    wants_demand = False  # negative control: shadows score every key they hold
+
+
+def _serve(mgr: OffloadManager, ids: list[int], asked: int | None, name: str) -> None:
+    """A request as vLLM runs it without kvtier hits: lookups from block
+    ``asked`` (None: no lookup), then an offer of every block."""
+    keys = ks(ids)
+    ctx = RequestContext(name)
+    ctx.set_positions(keys, 32, 32)
+    if asked is not None:
+        assert mgr.lookup(keys[asked:], ctx) == 0
+    out = mgr.prepare_store(keys, ctx)
+    assert out is not None
+    mgr.complete_store(list(out.keys_to_store), ctx)
+    mgr.on_request_finished(ctx)
+
+
+def test_manager_says_where_the_asked_keys_start() -> None:
+    DEMANDS.clear()
+    mgr = OffloadManager(64, policy="test_policy_adaptive:_DemandRecorder")
+    _serve(mgr, list(range(6)), 2, "a")  # blocks 0-1 came from the engine
+    _serve(mgr, list(range(10, 14)), 0, "b")
+    _serve(mgr, list(range(20, 23)), None, "c")  # never looked up: all asked
+    assert [(ks(range(6)), 2), (ks(range(10, 14)), 0), (ks(range(20, 23)), 0)] == DEMANDS
+    ctx = RequestContext("d")
+    mgr.lookup_one(k(30), ctx)  # vLLM's lookups come one key at a time
+    mgr.lookup_one(k(31), ctx)
+    assert ctx.first_asked == k(30)
+    mgr.on_request_finished(ctx)
+    assert ctx.first_asked is None  # cleared with the request's state
+
+    DEMANDS.clear()
+    plain = OffloadManager(64, policy="test_policy_adaptive:_PlainRecorder")
+    _serve(plain, list(range(6)), 2, "a")
+    assert DEMANDS == []
+
+
+def test_asked_from_places_an_absent_first_key_by_position() -> None:
+    ctx = RequestContext("r")
+    keys = ks([1, 2, 3, 4])
+    ctx.set_positions(keys, 32, 32)
+    assert ctx.asked_from(keys) == 0
+    ctx.first_asked = k(3)
+    assert ctx.asked_from(keys) == 2
+    ctx.set_position(k(9), 80)  # between blocks 2 and 3, and not held
+    ctx.first_asked = k(9)
+    assert ctx.asked_from([k(1), k(2), k(4)]) == 2
+    ctx.first_asked = k(99)  # no position either: counts every key as asked
+    assert ctx.asked_from(keys) == 0
+
+
+def test_shadow_scores_only_the_keys_the_request_asked_for() -> None:
+    s = _Shadow(8, 8, False)
+    s.access(ks(range(4)))
+    s.access(ks(range(4)))
+    assert s.last == 4
+    s.access(ks(range(4)), asked_from=3)  # blocks 0-2 were served in front
+    assert s.last == 1 and s.hits == 5
+
+
+def test_behind_the_engine_the_shadows_find_admission() -> None:
+    # Generated chat behind a 500-block engine cache: a turn offers the blocks
+    # the engine served it; admission pays in a 1,000-block tier, and only
+    # shadows that leave those blocks out of their score can see it.
+    requests = served_requests(generate("chat", 1, 3000))
+    lru = replay_behind_engine(requests, 1000, "lru", gpu_blocks=500)
+    default = replay_behind_engine(requests, 1000, "default", gpu_blocks=500)
+    control = replay_behind_engine(requests, 1000, "test_policy_adaptive:_NoDemand",
+                                   gpu_blocks=500)
+    assert default.stores_skipped > 0 and control.stores_skipped == 0
+    assert default.hit_ratio > 1.1 * lru.hit_ratio
+    assert control.hit_ratio < default.hit_ratio

@@ -37,11 +37,15 @@ class _Shadow:
         self.last = 0  # hits of the latest request
         self.spread = 0.0  # decayed sum of squared per-request differences to the active
 
-    def access(self, keys: list[bytes]) -> None:
-        """One request's sampled keys, head first: count hits, store misses, apply."""
+    def access(self, keys: list[bytes], asked_from: int = 0) -> None:
+        """One request's sampled keys, head first: count the hits among those it
+        asked for (``keys[asked_from:]``), store misses, apply."""
         p, resident = self.policy, self.resident
         missing = [k for k in keys if k not in resident]
-        self.last = len(keys) - len(missing)
+        if asked_from:
+            self.last = sum(1 for k in keys[asked_from:] if k in resident)
+        else:
+            self.last = len(keys) - len(missing)
         self.hits += self.last
         if missing:
             room = self.capacity - len(resident)
@@ -77,7 +81,10 @@ class AdaptivePolicy(PLFUPolicy):
       the keys whose CRC-32 falls in the sampled ``rate`` of the hash space
       (spatial sampling, as SHARDS does: a sampled key is sampled in every
       request). Each scores its hits, decayed by ``DECAY`` per epoch of
-      ``shadow capacity`` sampled accesses;
+      ``shadow capacity`` sampled accesses. A hit counts only among the keys
+      the request asked the cache for (``on_demand_access``): behind the
+      engine's prefix cache a request offers blocks the engine served it, and
+      a shadow holding those has gained nothing;
     * the active configuration: after each epoch the real cache takes the best
       shadow's configuration if it is ahead by more than noise (``Z``).
       Switching changes two numbers (``history_limit``, ``admission``); no
@@ -102,6 +109,7 @@ class AdaptivePolicy(PLFUPolicy):
 
     name = "adaptive"
     wants_admission = True
+    wants_demand = True
 
     FACTORS = (4, 8, 16, 32)
     """Candidate history lengths with admission, in multiples of the capacity
@@ -209,12 +217,21 @@ class AdaptivePolicy(PLFUPolicy):
         return len(keys)
 
     def on_access(self, keys: Sequence[bytes], reused: Container[bytes]) -> None:
+        self.on_demand_access(keys, reused, 0)
+
+    def on_demand_access(self, keys: Sequence[bytes], reused: Container[bytes],
+                         asked_from: int) -> None:
         super().on_access(keys, reused)
-        sampled = self.sampled(keys)
+        if asked_from:  # the sampled keys a cache in front served, then the others
+            served = self.sampled(keys[:asked_from])
+            sampled = served + self.sampled(keys[asked_from:])
+            asked_from = len(served)
+        else:
+            sampled = self.sampled(keys)
         if sampled:
             shadows = self.shadows
             for s in shadows:
-                s.access(sampled)
+                s.access(sampled, asked_from)
             mine = shadows[self._active].last
             for s in shadows:
                 d = s.last - mine

@@ -21,6 +21,11 @@ class EvictionPolicy(ABC):
     * ``on_access(keys, reused)``: one finished request's access, head first
       (``keys[0]`` is the most valuable block); ``reused`` are the keys the
       request found ready in the cache (not inserted by itself);
+    * ``on_demand_access(keys, reused, asked_from)`` instead (only when
+      ``wants_demand``): the same access, and the index of the first key the
+      request asked the cache for (``keys[:asked_from]`` were served by a
+      cache in front of it, such as the engine's prefix cache, and reached
+      this one only as offers);
     * ``on_store_misses(keys)``: new store candidates, each once per request,
       before their ``insert`` (ghost-list policies learn from them); returns
       the keys it learned from, so the manager remembers only those;
@@ -46,6 +51,8 @@ class EvictionPolicy(ABC):
     """True when ``on_store_misses`` does something; lets the manager skip the calls."""
     wants_admission: ClassVar[bool] = False
     """True when ``admit`` may decline keys; lets the manager skip the calls."""
+    wants_demand: ClassVar[bool] = False
+    """True when the policy takes ``on_demand_access`` in place of ``on_access``."""
 
     def __init__(self, capacity: int) -> None:
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
@@ -72,6 +79,11 @@ class EvictionPolicy(ABC):
     @abstractmethod
     def on_access(self, keys: Sequence[bytes], reused: Container[bytes]) -> None:
         """Apply one request's access; ``keys`` head first, absent keys ignored."""
+
+    def on_demand_access(self, keys: Sequence[bytes], reused: Container[bytes],
+                         asked_from: int) -> None:
+        """``on_access``, knowing that the request asked for ``keys[asked_from:]``."""
+        self.on_access(keys, reused)
 
     @abstractmethod
     def evict(self, n: int, protected: Container[bytes]) -> list[bytes] | None:
