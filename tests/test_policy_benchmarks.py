@@ -1,10 +1,12 @@
 """The policy benchmarks run and say what they claim (benchmarks/admission_oracles.py,
-bench_policy_cost.py, bench_adaptive_parts.py, count_policy_instructions.py)."""
+bench_policy_cost.py, bench_adaptive_parts.py, count_policy_instructions.py,
+policy_variants.py)."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import random
 import shutil
 import subprocess
 import sys
@@ -12,7 +14,10 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+from helpers.policy_contract import exercise, random_ops
 
+from kvtier import block_key
+from kvtier.replay.driver import replay
 from kvtier.replay.generate import write_trace
 from kvtier.replay.trace import TraceRequest
 
@@ -138,3 +143,27 @@ def test_instruction_table_subtracts_the_load_and_divides_by_lru(
     rows = [line.split() for line in capsys.readouterr().out.splitlines()[1:]]
     assert rows == [["lru", "8", "20", "1.000", "0.20", "1.000"],
                     ["plfu", "8", "30", "1.500", "0.40", "2.000"]]
+
+
+@pytest.mark.parametrize("index", range(12))
+def test_each_fixed_variant_keeps_the_contract_and_its_configuration(index: int) -> None:
+    variants = _load("policy_variants")
+    cls = variants.VARIANTS[index]
+    pol = cls(24)
+    exercise(pol, random_ops(random.Random(index), 600), random.Random(index))
+    assert pol.configuration() == cls.CONFIG and pol.switches <= 1  # configure() only
+    if cls.WINDOW is not None:
+        assert pol.target == cls.WINDOW * 24
+    if cls.LFU_SHARE is not None:
+        assert pol.lfu_share == cls.LFU_SHARE
+
+
+def test_a_variant_replays_by_module_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    # a shared prefix, then a tail that the next request uses once more
+    requests = [[block_key(h) for h in (0, 1, 2, *range(100 + 4 * (i // 2), 104 + 4 * (i // 2)))]
+                for i in range(200)]
+    one = replay(requests, 8, "policy_variants:Admit8")
+    two = replay(requests, 8, "policy_variants:TwoUses")
+    # a tail's second offer: the history knows one use, which Admit8 needs and TwoUses not
+    assert one.stores_skipped > 0 and two.stores < one.stores

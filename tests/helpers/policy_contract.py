@@ -51,7 +51,7 @@ def exercise(pol: EvictionPolicy, ops: Iterable[Op], rng: random.Random,
         if op <= 1:
             _store(pol, ks, resident, rng, snapshot)
         elif op == 2:
-            pol.on_access(ks, {key for key in ks if key in resident})
+            _access(pol, ks, {key for key in ks if key in resident}, rng)
         elif op == 3 and resident:
             pol.blocked.symmetric_difference_update([rng.choice(sorted(resident))])
         elif op == 4 and resident:  # a failed store
@@ -68,6 +68,16 @@ def exercise(pol: EvictionPolicy, ops: Iterable[Op], rng: random.Random,
         assert sum(pol.sizes().values()) <= 64 * capacity + 4096
         if invariants is not None:
             invariants(pol, resident)
+
+
+def _access(pol: EvictionPolicy, ks: list[bytes], reused: set[bytes],
+            rng: random.Random) -> None:
+    """One request's access; for a policy that wants it, with a random start of
+    the keys the request asked for (the rest were served by a cache in front)."""
+    if pol.wants_demand:
+        pol.on_demand_access(ks, reused, rng.randint(0, len(ks)))
+    else:
+        pol.on_access(ks, reused)
 
 
 def _store(pol: EvictionPolicy, ks: list[bytes], resident: set[bytes], rng: random.Random,
