@@ -662,9 +662,10 @@ class OffloadManager:
         return self._events.take()
 
     def stats(self) -> dict[str, int]:
-        """Gauges and counters; see the README's table for each field."""
+        """Gauges and counters; see the README's table for each field. The
+        policy's own gauges (``EvictionPolicy.gauges``) follow as ``policy_*``."""
         resident = len(self._slot)
-        return {
+        stats = {
             "resident": resident,
             "ready": resident - len(self._writing),
             "pinned": len(self._pins),
@@ -680,6 +681,9 @@ class OffloadManager:
             "allocation_failures": self.allocation_failures,
             "events_dropped": self._events.dropped,
         }
+        for name, value in self.policy.gauges().items():
+            stats["policy_" + name] = value
+        return stats
 
     def admission_count(self, key: bytes) -> int:
         """How many requests offered ``key`` (0 when untracked or threshold < 2)."""

@@ -6,7 +6,15 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.bench.serving import BenchSettings, check_config, server_argv
+from kvtier.bench.serving import (
+    BenchSettings,
+    RunResult,
+    Scenario,
+    _result,
+    check_config,
+    load_runs,
+    server_argv,
+)
 from kvtier.cli import build_parser
 
 
@@ -40,3 +48,23 @@ def test_the_command_line_rejects_an_unknown_configuration(
     with pytest.raises(SystemExit):
         parser.parse_args(["bench", "serve", "--configs", "vllm-lru,bogus"])
     assert "bogus" in capsys.readouterr().err
+
+
+def test_a_run_records_the_policy_gauges_and_loads_back(tmp_path: Path) -> None:
+    samples = {("vllm:external_prefix_cache_queries_total", ()): 100.0,
+               ("vllm:external_prefix_cache_hits_total", ()): 25.0,
+               ("vllm:kvtier_stores_skipped_total", ()): 7.0,
+               ("vllm:kvtier_policy_admission", ()): 1.0,
+               ("vllm:kvtier_policy_switches_total", ()): 2.0}
+    run = _result("default", Scenario("generated", "paced", 1000), 0, {"completed": 3},
+                  samples, 1.5)
+    assert (run.hit_ratio, run.stores_skipped, run.policy_admission,
+            run.policy_switches) == (0.25, 7.0, 1.0, 2.0)
+    path = tmp_path / "runs.jsonl"
+    old = '{"config": "vllm-lru", "traffic": "bundled", "regime": "paced", "cpu_blocks": 1000, ' \
+          '"repeat": 0, "completed": 1, "failed": 0, "throughput": 1.0, "ttft_mean_ms": 1.0, ' \
+          '"ttft_p50_ms": 1.0, "ttft_p99_ms": 1.0, "ttft_max_ms": 1.0, "hit_ratio": 0.0, ' \
+          '"external_queries": 1.0, "external_hits": 0.0}'
+    path.write_text(old + "\n")  # a row from before these fields
+    (loaded,) = load_runs(path)
+    assert isinstance(loaded, RunResult) and loaded.policy_switches == 0.0

@@ -290,3 +290,16 @@ def test_behind_the_engine_the_shadows_find_admission() -> None:
     assert default.stores_skipped > 0 and control.stores_skipped == 0
     assert default.hit_ratio > 1.1 * lru.hit_ratio
     assert control.hit_ratio < default.hit_ratio
+
+
+def test_stats_report_the_active_configuration() -> None:
+    mgr = OffloadManager(16, policy="adaptive")
+    stats = mgr.stats()
+    assert (stats["policy_history_factor"], stats["policy_admission"],
+            stats["policy_switches"]) == (8, 0, 0)
+    assert isinstance(mgr.policy, AdaptivePolicy)
+    mgr.policy.configure(32, True)
+    stats = mgr.stats()
+    assert (stats["policy_history_factor"], stats["policy_admission"],
+            stats["policy_switches"]) == (32, 1, 1)
+    assert not any(name.startswith("policy_") for name in OffloadManager(16).stats())

@@ -19,6 +19,7 @@ import pytest
 from kvtier.bench import prom
 from kvtier.bench.server import ServerProcess
 from kvtier.demo.tiny_model import build_tiny_llama, kv_bytes_per_block, token_prompt
+from kvtier.policies import AdaptivePolicy
 from kvtier.slots.region import PREFIX, SUFFIX, default_shm_dir
 from kvtier.tiers.redis_server import free_port
 
@@ -105,6 +106,9 @@ def test_kvtier_serve_serves_a_pushed_out_prompt_from_kvtier(
     assert prom.value(m, "vllm:external_prefix_cache_hits_total") == OFFLOADED_TOKENS
     assert prom.value(m, "vllm:kvtier_hits_total") == OFFLOADED_TOKENS // 32
     check_vllm_offload_metrics(m)
+    # the default policy reports its active configuration
+    assert prom.value(m, "vllm:kvtier_policy_history_factor") in AdaptivePolicy.FACTORS
+    assert prom.value(m, "vllm:kvtier_policy_admission") in (0, 1)
     assert status == 0, server.log_tail()
     assert server.leftovers == []  # no process of the server's session outlived it
     assert region_files() - before == set()  # the slot region left /dev/shm

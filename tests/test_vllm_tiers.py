@@ -257,7 +257,9 @@ def test_every_reported_metric_is_defined() -> None:
                                   "cascade_writes",
                                   "writes_not_admitted", "write_failures", "dropped_writes",
                                   "promotion_failures", "promotions_deferred",
-                                  "duplicate_writes_skipped")}
+                                  "duplicate_writes_skipped", "policy_switches",
+                                  "policy_admission")}
+    stats["policy_history_factor"] = 16
     tiers = {"disk": {"hits": 2, "corrupt": 1, "read_ms": 7, "available": True},
              "redis": {"errors": 3, "available": False}}
     reported: dict[str, int] = {}
@@ -275,6 +277,12 @@ def test_every_reported_metric_is_defined() -> None:
     assert values["vllm:kvtier_tier_available"][("redis",)] == 0
     assert values["vllm:kvtier_tier_corrupt"][("disk",)] == 1
     assert values["vllm:kvtier_tier_read_ms"][("disk",)] == 7
+    assert values["vllm:kvtier_policy_history_factor"][()] == 16
+    assert values["vllm:kvtier_policy_admission"][()] == 1
+    assert values["vllm:kvtier_policy_switches"][()] == 1
+    without = fill_stats({k: v for k, v in stats.items() if not k.startswith("policy_")},
+                         10, {}, tiers, store_threshold=2).data["data"]
+    assert not any("policy" in name for name in without)  # LRU, ARC, PLFU have none
     again = fill_stats(stats, 10, reported, tiers, store_threshold=2).data["data"]  # no increase
     assert "vllm:kvtier_tier_corrupt" not in again and "vllm:kvtier_hits" not in again
     assert "vllm:kv_offload_stores_skipped" not in again

@@ -109,6 +109,12 @@ class RunResult:
     external_hits: float
     cached_by_source: dict[str, float] = field(default_factory=dict)
     seconds: float = 0.0
+    stores_skipped: float = 0.0
+    """kvtier's store candidates declined (its admission; 0 for vLLM's manager)."""
+    policy_admission: float = 0.0
+    """The adaptive policy's admission gauge at the end of the run (1: on)."""
+    policy_switches: float = 0.0
+    """Configuration changes of the adaptive policy during the run."""
 
     @property
     def key(self) -> tuple[str, str, str, int, int]:
@@ -261,7 +267,10 @@ def _result(config: str, scenario: Scenario, repeat: int, client: dict[str, Any]
         external_queries=queries, external_hits=hits,
         cached_by_source=dict(prom.by_label(
             samples, "vllm:prompt_tokens_cached_by_source_total", "source")),
-        seconds=seconds)
+        seconds=seconds,
+        stores_skipped=prom.value(samples, "vllm:kvtier_stores_skipped_total"),
+        policy_admission=prom.value(samples, "vllm:kvtier_policy_admission"),
+        policy_switches=prom.value(samples, "vllm:kvtier_policy_switches_total"))
 
 
 # -- the plan --------------------------------------------------------------------

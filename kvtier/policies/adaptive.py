@@ -190,6 +190,12 @@ class AdaptivePolicy(PLFUPolicy):
         bounds.update(total)
         return bounds
 
+    def gauges(self) -> dict[str, int]:
+        """The active configuration and how often it changed: ``history_factor``,
+        ``admission`` (1 while on) and ``switches``."""
+        return {"history_factor": self.history_factor, "admission": int(self.admission),
+                "switches": self.switches}
+
     def configuration(self) -> tuple[int, bool]:
         """The active (history factor, admission)."""
         return self.history_factor, self.admission

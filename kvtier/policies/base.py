@@ -97,6 +97,11 @@ class EvictionPolicy(ABC):
     def __len__(self) -> int:
         """Number of resident blocks tracked."""
 
+    def gauges(self) -> dict[str, int]:
+        """The policy's own state worth graphing, by name (none here); the
+        manager's ``stats()`` reports each as ``policy_<name>``."""
+        return {}
+
     def sizes(self) -> dict[str, int]:
         """Entries of each structure the policy keeps (cheap; for diagnostics and
         the soak). The base reports the resident blocks; policies add their own."""

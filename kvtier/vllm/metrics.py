@@ -56,6 +56,20 @@ PER_TIER_COUNTERS = {
 
 TIER_LABELS = ("tier",)
 
+POLICY_COUNTERS = {
+    "policy_switches": "Times the adaptive policy changed its configuration.",
+}
+"""Counters of the eviction policy (``manager.stats()``'s ``policy_*`` fields), reported
+when the policy has them."""
+
+POLICY_GAUGES = {
+    "policy_history_factor": "The adaptive policy's frequency history, in multiples of "
+                             "the capacity.",
+    "policy_admission": "1 while the adaptive policy declines new blocks the history "
+                        "does not know (admission on), else 0.",
+}
+"""Gauges of the eviction policy, reported when the policy has them."""
+
 GAUGES = {
     "resident": "Blocks held in kvtier's CPU tier.",
     "pinned": "Resident blocks being read by a load.",
@@ -75,11 +89,11 @@ def metric_definitions(extra_config: dict[str, Any] | None = None) -> dict[str, 
         dict(extra_config or {})))
     defs.update({
         METRIC_PREFIX + name: OffloadingCounterMetadata(documentation=doc)
-        for name, doc in {**COUNTERS, **TIER_COUNTERS}.items()
+        for name, doc in {**COUNTERS, **TIER_COUNTERS, **POLICY_COUNTERS}.items()
     })
     defs.update(
         {METRIC_PREFIX + name: OffloadingGaugeMetadata(documentation=doc)
-         for name, doc in GAUGES.items()}
+         for name, doc in {**GAUGES, **POLICY_GAUGES}.items()}
     )
     defs.update(
         {METRIC_PREFIX + "tier_" + name: OffloadingCounterMetadata(
@@ -110,9 +124,10 @@ def fill_stats(
 
     out = OffloadingConnectorStats()
     _vllm_cpu_stats(out, stats, num_blocks, reported, allocation_sizes or [], store_threshold)
-    for name in (*COUNTERS, *(n for n in TIER_COUNTERS if n in stats)):
+    for name in (*COUNTERS, *(n for n in (*TIER_COUNTERS, *POLICY_COUNTERS) if n in stats)):
         _count(out, reported, name, stats[name])
-    for name in ("resident", "pinned", "leased", "write_pending"):
+    for name in ("resident", "pinned", "leased", "write_pending",
+                 *(n for n in POLICY_GAUGES if n in stats)):
         out.set_gauge(METRIC_PREFIX + name, stats[name])
     out.set_gauge(METRIC_PREFIX + "usage_ratio", stats["resident"] / num_blocks)
     for tier, tier_stats in (tiers or {}).items():
