@@ -167,3 +167,75 @@ def test_a_variant_replays_by_module_path(monkeypatch: pytest.MonkeyPatch) -> No
     two = replay(requests, 8, "policy_variants:TwoUses")
     # a tail's second offer: the history knows one use, which Admit8 needs and TwoUses not
     assert one.stores_skipped > 0 and two.stores < one.stores
+
+
+def _chat_requests(seed: int = 3, n: int = 400) -> list[tuple[int, ...]]:
+    """Generated chat traffic: multi-turn prefixes, so every family has reuse to find."""
+    from kvtier.replay.generate import generate
+
+    return [r.hash_ids for r in generate("chat", seed=seed, requests=n)]
+
+
+@pytest.mark.parametrize("capacity", [40, 200])
+def test_reference_lru_equals_the_managers_lru_replay(capacity: int) -> None:
+    ref = _load("reference_policies")
+    requests = _chat_requests()
+    mine = ref.prefix_hit_ratio(requests, ref.LRUCache(capacity))
+    keys = [[block_key(h) for h in ids] for ids in requests]
+    assert mine > 0
+    assert mine == replay(keys, capacity, "lru").hit_ratio
+
+
+def _shared_head_between_one_offs() -> list[tuple[int, ...]]:
+    """A 3-block prefix used every third request; two 4-block one-offs in between."""
+    out: list[tuple[int, ...]] = []
+    for i in range(100):
+        out += [(0, 1, 2), tuple(range(1000 + 8 * i, 1004 + 8 * i)),
+                tuple(range(1004 + 8 * i, 1008 + 8 * i))]
+    return out
+
+
+def test_reference_admission_rules_decline_what_they_say() -> None:
+    ref = _load("reference_policies")
+    requests = _shared_head_between_one_offs()
+    lru = ref.prefix_hit_ratio(requests, ref.LRUCache(4))
+    # one-offs were never used before, so they stay out and the head stays resident
+    kept = ref.prefix_hit_ratio(requests, ref.Threshold(4, 1))
+    everything = ref.prefix_hit_ratio(requests, ref.Threshold(4, 0))  # the negative control
+    door = ref.prefix_hit_ratio(requests, ref.Doorkeeper(4, 2))
+    assert lru == everything == 0.0
+    assert kept == door == pytest.approx(3 * 99 / (11 * 100))
+
+
+@pytest.mark.parametrize("make", ["lru2", "aged"])
+def test_heap_caches_stay_within_capacity_and_keep_the_request(make: str) -> None:
+    ref = _load("reference_policies")
+    capacity = 64
+    cache = ref.LRU2(capacity, 2) if make == "lru2" else ref.AgedLFU(capacity, 2)
+    for ids in _chat_requests(seed=5, n=600):
+        cache.serve(ids)
+        assert len(cache.resident) <= capacity
+        if make == "lru2" and len(ids) <= capacity:
+            assert all(h in cache for h in ids)  # no admission: the request is stored whole
+        if make == "lru2":
+            assert len(cache.times) <= 2 * capacity + len(ids)
+        assert len(cache.heap) <= 4 * capacity + 1
+
+
+def test_reference_policies_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    ref = _load("reference_policies")
+    trace = tmp_path / "t.jsonl"
+    write_trace([TraceRequest(i, len(ids) * 512, 10, ids)
+                 for i, ids in enumerate(_shared_head_between_one_offs())], trace)
+    assert ref.main([str(trace), "--capacity", "4,8", "--no-progress"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    split = out.index("best of each family (parameter picked after the fact):")
+    rows = {line.split()[0]: line.split() for line in out[1:split]}
+    assert len(rows) == sum(len(f) for f in ref.FAMILIES.values())
+    assert float(rows["lru"][1]) == 0.0 and float(rows["threshold-1"][1]) > 0.25
+    best = {line.split()[0]: line.split() for line in out[split + 1:]}
+    assert set(best) == set(ref.FAMILIES)
+    with pytest.raises(SystemExit):
+        ref.main([str(trace), "--capacity", "0"])
+    with pytest.raises(SystemExit):
+        ref.main([str(trace), "--capacity", "4,x"])
