@@ -1,4 +1,5 @@
-"""`kvtier bench serve --configs`: which server configurations it accepts."""
+"""`kvtier bench serve`: which server configurations it accepts, and the servers' context
+length for a trace."""
 
 from __future__ import annotations
 
@@ -7,11 +8,13 @@ from pathlib import Path
 import pytest
 
 from kvtier.bench.serving import (
+    MAX_MODEL_LEN,
     BenchSettings,
     RunResult,
     Scenario,
     _result,
     check_config,
+    fit_model_len,
     load_runs,
     server_argv,
 )
@@ -68,3 +71,24 @@ def test_a_run_records_the_policy_gauges_and_loads_back(tmp_path: Path) -> None:
     path.write_text(old + "\n")  # a row from before these fields
     (loaded,) = load_runs(path)
     assert isinstance(loaded, RunResult) and loaded.policy_switches == 0.0
+
+
+def _scaled_trace(path: Path, lengths: list[int]) -> Path:
+    from kvtier.replay.generate import write_trace
+    from kvtier.replay.trace import TraceRequest
+
+    write_trace([TraceRequest(i, n, 8, (i,)) for i, n in enumerate(lengths)], path)
+    return path
+
+
+def test_the_context_length_fits_the_longest_request(tmp_path: Path) -> None:
+    s = BenchSettings(model=tmp_path / "model", out=tmp_path / "out", gpu_blocks=500)
+    short = {"bundled": _scaled_trace(tmp_path / "short.jsonl", [100, 7000])}
+    assert fit_model_len(s, short) == MAX_MODEL_LEN
+    long = {"bundled": _scaled_trace(tmp_path / "long.jsonl", [100, 11_960])}
+    assert fit_model_len(s, long) == 11_968  # 11,968 tokens = 374 whole blocks of 32
+    argv = server_argv(BenchSettings(model=s.model, out=s.out, max_model_len=11_968),
+                       "default", 1 << 20, 8000, tmp_path / "disk")
+    assert argv[argv.index("--max-model-len") + 1] == "11968"
+    with pytest.raises(ValueError, match=r"too\.jsonl.*16008 tokens.*500 blocks"):
+        fit_model_len(s, {"bundled": _scaled_trace(tmp_path / "too.jsonl", [16_000])})

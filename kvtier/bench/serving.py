@@ -28,7 +28,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +50,8 @@ TRAFFIC = ("bundled", "generated")
 REGIMES = ("paced", "saturating")
 GENERATED_KIND = "chat"
 MAX_MODEL_LEN = 8192
-"""Longest scaled prompt of the bundled trace is 7,699 tokens (+ output)."""
+"""The servers' context length, unless a trace needs more (``fit_model_len``):
+the longest scaled prompt of the bundled trace is 7,699 tokens (+ output)."""
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,8 @@ class BenchSettings:
     seed: int = 0
     trace: Path | None = None
     ready_timeout_s: float = 300.0
+    max_model_len: int = MAX_MODEL_LEN
+    """Servers' context length; ``run_all`` raises it to fit the traces."""
 
 
 @dataclass(frozen=True)
@@ -124,13 +127,13 @@ class RunResult:
 # -- one run ---------------------------------------------------------------------
 
 
-def engine_flags(gpu_blocks: int, port: int, seed: int = 0,
-                 dtype: str = "bfloat16") -> list[str]:
+def engine_flags(gpu_blocks: int, port: int, seed: int = 0, dtype: str = "bfloat16",
+                 max_model_len: int = MAX_MODEL_LEN) -> list[str]:
     """vLLM options every server of the benchmarks shares (the tiny model)."""
     return ["--port", str(port), "--block-size", str(BLOCK_TOKENS),
             "--num-gpu-blocks-override", str(gpu_blocks),
-            "--max-model-len", str(MAX_MODEL_LEN),
-            "--hf-overrides", json.dumps({"max_position_embeddings": MAX_MODEL_LEN}),
+            "--max-model-len", str(max_model_len),
+            "--hf-overrides", json.dumps({"max_position_embeddings": max_model_len}),
             "--kv-cache-memory-bytes", str(256 << 20), "--gpu-memory-utilization", "0.5",
             "--enforce-eager", "--dtype", dtype, "--seed", str(seed)]
 
@@ -164,7 +167,7 @@ def server_argv(s: BenchSettings, config: str, cpu_bytes: int, port: int,
                 disk_dir: Path) -> list[str]:
     """The command starting ``config``'s server."""
     model = str(s.model)
-    engine = engine_flags(s.gpu_blocks, port, s.seed)
+    engine = engine_flags(s.gpu_blocks, port, s.seed, max_model_len=s.max_model_len)
     if config == BASELINE:
         return vllm_command(["serve", model, *engine])
     if config == PEER:
@@ -312,10 +315,30 @@ def prepare_traces(s: BenchSettings, work: Path) -> dict[str, Path]:
                                     tokens_per_block=BLOCK_TOKENS, output_cap=s.output_cap)
         else:
             raise ValueError(f"unknown traffic {kind!r} (choose from {TRAFFIC})")
-        if traffic.longest_request(path) > MAX_MODEL_LEN:
-            raise ValueError(f"{path}: a request is longer than {MAX_MODEL_LEN} tokens")
         paths[kind] = path
     return paths
+
+
+def fit_model_len(s: BenchSettings, traces: dict[str, Path]) -> int:
+    """The servers' context length for ``traces``: ``MAX_MODEL_LEN``, or the
+    longest request (prompt and output) rounded up to whole blocks when longer.
+
+    Raises ``ValueError`` naming the trace when that request does not fit the
+    engine's cache of ``gpu_blocks`` blocks (vLLM would refuse to start).
+    """
+    from kvtier.bench import traffic
+
+    fit = MAX_MODEL_LEN
+    for path in traces.values():
+        longest = traffic.longest_request(path)
+        whole = -(-longest // BLOCK_TOKENS) * BLOCK_TOKENS
+        if whole > s.gpu_blocks * BLOCK_TOKENS:
+            raise ValueError(
+                f"{path}: a request of {longest} tokens does not fit the engine's cache of "
+                f"{s.gpu_blocks} blocks of {BLOCK_TOKENS} tokens; raise --gpu-blocks "
+                f"or use fewer --requests")
+        fit = max(fit, whole)
+    return fit
 
 
 def load_runs(path: Path) -> list[RunResult]:
@@ -335,6 +358,7 @@ def run_all(s: BenchSettings, resume: bool = False,
     if not resume:
         runs_file.write_text("")
     traces = prepare_traces(s, work)
+    s = replace(s, max_model_len=fit_model_len(s, traces))
     results = []
     steps = plan(s)
     for i, (repeat, scenario, config) in enumerate(steps, 1):
