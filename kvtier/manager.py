@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Container, Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from kvtier.admission import AdmissionTracker
@@ -90,6 +90,7 @@ class OffloadManager:
         self._blocked = self.policy.blocked
         self._wants_reuse = self.policy.wants_reuse
         self._wants_demand = self.policy.wants_demand
+        self._wants_running_order = self.policy.wants_running_order
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
         # Promotions in flight (also in ``_writing``) and internal pins (also
         # counted in ``_pins``): see ``reserve`` / ``pin_internal``.
@@ -399,7 +400,7 @@ class OffloadManager:
 
     def _policy_admit(self, candidates: list[bytes], ctx: RequestContext) -> list[bytes]:
         """The leading candidates the policy stores; the rest are declined (reported
-        once per request in ``stores_skipped``, and kept in the request's access)."""
+        once per request in ``stores_skipped``; they stay in the request's access)."""
         n = self.policy.admit(candidates)
         if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= len(candidates):
             raise ProtocolError(
@@ -412,7 +413,6 @@ class OffloadManager:
         new_skips = [k for k in declined if k not in seen] if seen else declined
         seen.update(new_skips)
         self.stores_skipped += len(new_skips)
-        ctx.declined.update(declined)
         return candidates[:n]
 
     def _show_store_misses(self, candidates: list[bytes], ctx: RequestContext) -> None:
@@ -446,10 +446,19 @@ class OffloadManager:
         return victims
 
     def _allocate(self, keys: list[bytes], ctx: RequestContext) -> list[int]:
+        ahead = self._running_blocks(ctx) if ctx.inserted and self._wants_running_order else None
         slots = self._take_slots(keys)
+        if ahead:
+            self.policy.keep_ahead(ahead)
         ctx.inserted.update(keys)
         ctx.writing.update(keys)
         return slots
+
+    def _running_blocks(self, ctx: RequestContext) -> list[bytes]:
+        """The blocks a running request has used so far that are held, head first
+        (before its latest offer's new keys are inserted)."""
+        slot = self._slot
+        return [k for k in ctx.access_order() if k in slot]
 
     def _take_slots(self, keys: list[bytes]) -> list[int]:
         """Give distinct new ``keys`` free slots, WRITING (room was made already)."""
@@ -619,15 +628,16 @@ class OffloadManager:
     def on_request_finished(self, ctx: RequestContext) -> None:
         """Apply ``ctx``'s single head-to-tail access and drop its leases.
 
-        Completions of its loads and stores may still arrive afterwards.
+        The access holds every key the request loaded or offered, resident or
+        not: a block evicted while its request was still running (many requests
+        in flight), or declined by admission, was used all the same, and a
+        policy that keeps a history must count that use. Completions of its
+        loads and stores may still arrive afterwards.
         """
         self._sync(ctx)
         self._drop_leases(ctx)
         if ctx.access_log:
-            held: Container[bytes] = self._slot
-            if ctx.declined:
-                held = _Either(self._slot, ctx.declined)
-            keys = ctx.access_order(held)
+            keys = ctx.access_order()
             if self._wants_demand:
                 self.policy.on_demand_access(keys, ctx.reused, ctx.asked_from(keys))
             else:
@@ -751,18 +761,6 @@ class OffloadManager:
             f"history spans {self._history.span_seconds(now):.3f} s over "
             f"{len(self._history)} keys"
         )
-
-
-class _Either:
-    """Membership in either of two containers (resident keys or declined ones)."""
-
-    __slots__ = ("_a", "_b")
-
-    def __init__(self, a: Container[bytes], b: Container[bytes]) -> None:
-        self._a, self._b = a, b
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._a or key in self._b
 
 
 def _without_stale(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Container
 
 MAX_ACCESS_LISTS = 64
 """Key lists a context logs before merging them (bounds retries and re-offers)."""
@@ -22,8 +21,6 @@ class RequestContext:
     * ``counted`` / ``skipped`` / ``ghost_checked``: keys already counted by
       admission, already reported as skipped, already shown to the policy as a
       store miss (each happens once per request);
-    * ``declined``: new keys of its offers that the eviction policy declined
-      to store (``EvictionPolicy.admit``); its access still counts them;
     * ``tier_counted``: keys the tier cascade already counted as used by this
       request (its per-tier admission, ``kvtier.tiers.cascade``);
     * ``first_asked``: the first key it looked up (None before any lookup): the
@@ -50,7 +47,6 @@ class RequestContext:
         "counted",
         "tier_counted",
         "skipped",
-        "declined",
         "ghost_checked",
         "first_asked",
         "leased",
@@ -74,7 +70,6 @@ class RequestContext:
         self.counted: set[bytes] = set()
         self.tier_counted: set[bytes] = set()
         self.skipped: set[bytes] = set()
-        self.declined: set[bytes] = set()
         self.ghost_checked: set[bytes] = set()
         self.first_asked: bytes | None = None
         self.leased: set[bytes] = set()
@@ -117,12 +112,10 @@ class RequestContext:
             return list(dict.fromkeys(log[0]))
         return list(dict.fromkeys(itertools.chain.from_iterable(log)))
 
-    def access_order(self, resident: Container[bytes]) -> list[bytes]:
-        """Accessed keys still in ``resident``, head first (by position when all are known)."""
-        log = self.access_log
-        logged = log[0] if len(log) == 1 else itertools.chain.from_iterable(log)
-        # Filtering before deduplicating keeps first-seen order and dedups fewer keys.
-        keys = list(dict.fromkeys([k for k in logged if k in resident]))
+    def access_order(self) -> list[bytes]:
+        """Every key the request used, head first (by position when all are
+        known; in first-use order otherwise)."""
+        keys = self.accessed_keys()
         positions = self.positions
         if positions and positions.keys() >= set(keys):
             keys.sort(key=positions.__getitem__)
@@ -156,7 +149,6 @@ class RequestContext:
         self.counted.clear()
         self.tier_counted.clear()
         self.skipped.clear()
-        self.declined.clear()
         self.ghost_checked.clear()
         self.first_asked = None
         self.leased.clear()

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import pytest
-from conftest import evict_order, fill, key, keys, load, request, resident
+from conftest import evict_order, fill, key, keys, load, request, resident, store
 
 from kvtier import OffloadManager, RequestContext
 from kvtier.policies import ARCPolicy, LRUPolicy
@@ -261,3 +263,74 @@ def test_policy_evict_is_atomic(cls: type) -> None:
     assert policy.evict(1, protected=set()) is None  # only blocked keys remain
     assert len(policy) == 2
     assert policy.evict(0, protected=set()) == []
+
+
+# -- requests that run while others store (many in flight, chunked prompts) ------------
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc", "plfu"])
+def test_a_running_request_keeps_its_head_ahead_of_its_later_chunks(policy: str) -> None:
+    # vLLM offers a long prompt chunk by chunk as it computes it; meanwhile other
+    # requests store and finish. The request's tail must still leave before its head.
+    mgr = OffloadManager(5, policy=policy)
+    a0, a1, a2, c0, c1 = keys(range(5))
+    r = request("r", [a0, a1, a2])
+    store(mgr, [a0, a1], r)  # first chunk
+    fill(mgr, [c0, c1])  # another request, finished: more recent than a0, a1
+    store(mgr, [a2], r)  # second chunk, r still running
+    victims = evict_order(mgr, [a0, a1, a2, c0, c1], 3)
+    assert set(victims) == {c0, c1, a2}  # r's tail goes, its head stays
+    assert resident(mgr, [a0, a1]) == {a0, a1}
+
+
+class NoRunningOrder(LRUPolicy):
+    """LRU that is never asked to keep a running request's head ahead."""
+
+    wants_running_order = False
+
+
+class RecordingRunningOrder(LRUPolicy):
+    """LRU that records each ``keep_ahead`` call."""
+
+    calls: ClassVar[list[list[bytes]]] = []
+
+    def keep_ahead(self, ks: list[bytes]) -> None:
+        self.calls.append(ks)
+        super().keep_ahead(ks)
+
+
+def test_without_keep_ahead_the_head_of_a_running_request_leaves_first() -> None:
+    # the negative control: a policy that ignores keep_ahead loses r's head
+    mgr = OffloadManager(5, policy="test_recency:NoRunningOrder")
+    a0, a1, a2, c0, c1 = keys(range(5))
+    r = request("r", [a0, a1, a2])
+    store(mgr, [a0, a1], r)
+    fill(mgr, [c0, c1])
+    store(mgr, [a2], r)
+    assert set(evict_order(mgr, [a0, a1, a2, c0, c1], 3)) == {a0, a1, c1}
+
+
+def test_a_single_offer_asks_the_policy_for_no_reordering() -> None:
+    calls = RecordingRunningOrder.calls
+    calls.clear()
+    mgr = OffloadManager(4, policy="test_recency:RecordingRunningOrder")
+    a, b, c = keys(range(3))
+    fill(mgr, [a])
+    r = request("r", [a, b, c])
+    load(mgr, [a], r)
+    store(mgr, [a, b, c], r)  # the request's only offer: nothing to keep ahead of
+    assert calls == []
+    store(mgr, [key(3)], r)  # a later offer: its held blocks, head first
+    assert calls == [[a, b, c]]
+
+
+def test_a_block_evicted_while_its_request_ran_still_counts_as_used() -> None:
+    mgr = OffloadManager(4, policy="plfu")
+    a0, a1 = keys(range(2))
+    r = request("r", [a0, a1])
+    store(mgr, [a0, a1], r)
+    fill(mgr, keys(range(10, 14)))  # another request evicts r's blocks before r finishes
+    assert resident(mgr, [a0, a1]) == set()
+    mgr.on_request_finished(r)
+    history = mgr.policy.history  # type: ignore[attr-defined]
+    assert history.get(a0) == history.get(a1) == 1  # the use is remembered

@@ -29,6 +29,7 @@ class ARCPolicy(EvictionPolicy):
 
     name = "arc"
     wants_store_misses = True
+    wants_running_order = True
 
     def __init__(self, capacity: int) -> None:
         super().__init__(capacity)
@@ -57,6 +58,9 @@ class ARCPolicy(EvictionPolicy):
                     del ghost[key]
         self._t1.add_many(keys)
         self._trim_ghosts()
+
+    def keep_ahead(self, keys: list[bytes]) -> None:
+        self._t1.move_present(reversed(keys))  # T2 keys keep their place
 
     def remove(self, key: bytes) -> None:
         if not self._t1.discard(key):

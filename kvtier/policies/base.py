@@ -19,13 +19,21 @@ class EvictionPolicy(ABC):
       written, pinned or leased). The manager keeps it current and the policy
       reads it in ``evict``; a block keeps its logical rank while blocked;
     * ``on_access(keys, reused)``: one finished request's access, head first
-      (``keys[0]`` is the most valuable block); ``reused`` are the keys the
-      request found ready in the cache (not inserted by itself);
+      (``keys[0]`` is the most valuable block): every key it loaded or offered,
+      held or not (a block may have been evicted while its request ran, or
+      declined by ``admit``); ``reused`` are the keys the request found ready
+      in the cache (not inserted by itself);
     * ``on_demand_access(keys, reused, asked_from)`` instead (only when
       ``wants_demand``): the same access, and the index of the first key the
       request asked the cache for (``keys[:asked_from]`` were served by a
       cache in front of it, such as the engine's prefix cache, and reached
       this one only as offers);
+    * ``keep_ahead(keys)`` (only when ``wants_running_order``): a running
+      request offered more blocks and they were inserted; ``keys`` are the
+      request's other blocks the policy holds, head first, which should keep
+      ranking above the new ones (tails leave before heads while a request
+      runs too: vLLM offers a long prompt chunk by chunk as it computes it).
+      Not a use of the blocks;
     * ``on_store_misses(keys)``: new store candidates, each once per request,
       before their ``insert`` (ghost-list policies learn from them); returns
       the keys it learned from, so the manager remembers only those;
@@ -33,9 +41,8 @@ class EvictionPolicy(ABC):
       one offer, in offer order, after the manager's own admission
       (``store_threshold``) and before any eviction; returns how many leading
       keys to store. The rest are declined: not stored, not inserted, reported
-      in ``stores_skipped``, and still part of the request's access (passed to
-      ``on_access`` as keys the policy does not hold). Declining a suffix keeps
-      every stored block's prefix stored with it.
+      in ``stores_skipped``, and still part of the request's access. Declining
+      a suffix keeps every stored block's prefix stored with it.
 
     ``evict(n, protected)`` is atomic: it removes and returns exactly ``n``
     evictable keys not in ``protected``, or returns None and changes nothing.
@@ -53,6 +60,8 @@ class EvictionPolicy(ABC):
     """True when ``admit`` may decline keys; lets the manager skip the calls."""
     wants_demand: ClassVar[bool] = False
     """True when the policy takes ``on_demand_access`` in place of ``on_access``."""
+    wants_running_order: ClassVar[bool] = False
+    """True when ``keep_ahead`` does something; lets the manager skip computing its keys."""
 
     def __init__(self, capacity: int) -> None:
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
@@ -63,6 +72,11 @@ class EvictionPolicy(ABC):
     def on_store_misses(self, keys: list[bytes]) -> list[bytes]:
         """Learn from keys about to be inserted; return those it learned from."""
         return []
+
+    def keep_ahead(self, keys: list[bytes]) -> None:
+        """Rank held ``keys`` (a running request's earlier blocks, head first)
+        above the blocks just inserted; nothing here."""
+        return None
 
     def admit(self, keys: list[bytes]) -> int:
         """How many leading ``keys`` (new candidates of one offer) to store: all."""

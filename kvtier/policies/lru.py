@@ -20,6 +20,7 @@ class LRUPolicy(EvictionPolicy):
 
     name = "lru"
     wants_reuse = False
+    wants_running_order = True
 
     def __init__(self, capacity: int) -> None:
         super().__init__(capacity)
@@ -35,6 +36,9 @@ class LRUPolicy(EvictionPolicy):
         self._order.discard(key)
 
     def on_access(self, keys: Sequence[bytes], reused: Container[bytes]) -> None:
+        self._order.move_present(reversed(keys))
+
+    def keep_ahead(self, keys: list[bytes]) -> None:
         self._order.move_present(reversed(keys))
 
     def evict(self, n: int, protected: Container[bytes]) -> list[bytes] | None:

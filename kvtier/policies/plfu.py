@@ -72,6 +72,7 @@ class PLFUPolicy(EvictionPolicy):
     name = "plfu"
     wants_reuse = False  # a reuse shows in the history: a second request's count
     wants_store_misses = False  # ghosts are looked up on insert
+    wants_running_order = True
 
     COUNT_CAP = _COUNT_CAP
     """Counts above this add no priority (five classes: 1, 2-3, 4-7, 8-15, 16+)."""
@@ -169,6 +170,11 @@ class PLFUPolicy(EvictionPolicy):
         # earlier request used to the main segment.
         self._fresh.update(keys)
         self._window.add_many(reversed(keys))
+
+    def keep_ahead(self, keys: list[bytes]) -> None:
+        # the window's part of a running request stays ahead of its newer blocks;
+        # main keys keep their rank (frequency protects them)
+        self._window.move_present(reversed(keys))
 
     def _from_ghost(self, key: bytes) -> None:
         """A block came back: adapt ``target`` (and ``lfu_share``) if it was a ghost.

@@ -1,7 +1,8 @@
 """The eviction-policy contract under random use, shared by every policy's tests.
 
 ``exercise`` plays a sequence of operations (store with admission and
-eviction, access, pin/unpin, failed store, explicit evict) against a policy
+eviction, and ``keep_ahead`` as for a later chunk; access, pin/unpin, failed
+store, explicit evict) against a policy
 the way the manager would, and checks after each one what every policy owes:
 atomic eviction (a failed ``evict`` leaves the policy as it was), never a
 blocked or protected victim, ``len`` = resident blocks, admission declines
@@ -100,9 +101,12 @@ def _store(pol: EvictionPolicy, ks: list[bytes], resident: set[bytes], rng: rand
         assert len(victims) == need == len(set(victims))
         assert set(victims) <= resident - pol.blocked - set(ks)
         resident.difference_update(victims)
+    held = [key for key in ks if key in resident]
     pol.blocked.update(new)
     pol.insert(new)
     resident.update(new)
+    if held and pol.wants_running_order and rng.random() < 0.5:
+        pol.keep_ahead(held)  # as for a later chunk of a running request
     pol.blocked.difference_update([key for key in new if rng.random() < 0.8])
 
 
@@ -127,7 +131,8 @@ def _evict_checked(pol: EvictionPolicy, n: int, protected: set[bytes], resident:
 
 def drive_manager(mgr: OffloadManager, rng: random.Random, steps: int,
                   prefixes: int = 4) -> None:
-    """Requests through a manager with leases, loads and failed stores (10 %):
+    """Requests through a manager with leases, loads, offers in one or two chunks
+    and failed stores (10 %):
     the block table and the policy agree after each one, and what is stored
     is an ordered part of the request's keys."""
     capacity = mgr.stats()["resident"] + mgr.stats()["free"]
@@ -139,10 +144,12 @@ def drive_manager(mgr: OffloadManager, rng: random.Random, steps: int,
         n = mgr.lookup(ks, ctx)
         if n:
             mgr.prepare_load(ks[:n], ctx)
-        out = mgr.prepare_store(ks, ctx)
-        if out is not None and out.keys_to_store:
-            assert out.keys_to_store == [key for key in ks if key in out.keys_to_store]
-            mgr.complete_store(out.keys_to_store, ctx, success=rng.random() < 0.9)
+        cut = rng.randint(1, len(ks))  # offered in one or two chunks, as vLLM computes them
+        for chunk in (ks[:cut], ks[cut:]):
+            out = mgr.prepare_store(chunk, ctx) if chunk else None
+            if out is not None and out.keys_to_store:
+                assert out.keys_to_store == [key for key in chunk if key in out.keys_to_store]
+                mgr.complete_store(out.keys_to_store, ctx, success=rng.random() < 0.9)
         if n:
             mgr.complete_load(ks[:n], ctx)
         mgr.on_request_finished(ctx)
