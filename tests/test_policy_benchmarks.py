@@ -1,6 +1,6 @@
 """The policy benchmarks run and say what they claim (benchmarks/admission_oracles.py,
 bench_policy_cost.py, bench_adaptive_parts.py, count_policy_instructions.py,
-policy_variants.py)."""
+policy_variants.py, reference_policies.py, frequency_foresight.py)."""
 
 from __future__ import annotations
 
@@ -239,3 +239,55 @@ def test_reference_policies_command(tmp_path: Path, capsys: pytest.CaptureFixtur
         ref.main([str(trace), "--capacity", "0"])
     with pytest.raises(SystemExit):
         ref.main([str(trace), "--capacity", "4,x"])
+
+
+def _foresight() -> ModuleType:
+    _load("reference_policies")  # frequency_foresight imports it as a sibling
+    return _load("frequency_foresight")
+
+
+def test_use_times_lists_each_request_once_in_order() -> None:
+    fs = _foresight()
+    assert dict(fs.use_times([(1, 2, 1), (2,), (3, 1)])) == {1: [0, 2], 2: [0, 1], 3: [2]}
+
+
+def test_window_ranking_keeps_the_head_only_when_the_window_reaches_it() -> None:
+    fs = _foresight()
+    requests = _shared_head_between_one_offs()  # the head comes back every third request
+    uses = fs.use_times(requests)
+    lru = fs.prefix_hit_ratio(requests, fs.LRUCache(4))
+    # a window of three requests still counts the head's last use: the one-offs
+    # only tie with it and are declined
+    past = fs.prefix_hit_ratio(requests, fs.WindowLFU(4, 3, uses, future=False))
+    # the negative control: a window of one request sees the head at 0 uses
+    blind = fs.prefix_hit_ratio(requests, fs.WindowLFU(4, 1, uses, future=False))
+    future = fs.prefix_hit_ratio(requests, fs.WindowLFU(4, 3, uses, future=True))
+    assert lru == blind == 0.0
+    assert past == pytest.approx(3 * 99 / (11 * 100))
+    assert future >= past
+
+
+def test_window_ranking_stays_within_capacity() -> None:
+    fs = _foresight()
+    requests = _chat_requests(seed=3, n=400)
+    uses = fs.use_times(requests)
+    for future in (False, True):
+        cache = fs.WindowLFU(32, 50, uses, future)
+        for ids in requests:
+            cache.serve(ids)
+            assert len(cache.last) <= 32
+    with pytest.raises(ValueError, match="window"):
+        fs.WindowLFU(32, 0, uses, False)
+
+
+def test_frequency_foresight_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    fs = _foresight()
+    trace = tmp_path / "t.jsonl"
+    write_trace([TraceRequest(i, len(ids) * 512, 10, ids)
+                 for i, ids in enumerate(_shared_head_between_one_offs())], trace)
+    assert fs.main([str(trace), "--capacity", "4", "--windows", "1,3", "--no-progress"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[1:]]
+    assert [(r[0], r[1]) for r in rows] == [("4", "1"), ("4", "3")]
+    assert float(rows[0][3]) == 0.0 and float(rows[1][3]) > 0.25
+    with pytest.raises(SystemExit):
+        fs.main([str(trace), "--windows", "0"])

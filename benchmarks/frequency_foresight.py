@@ -1,0 +1,180 @@
+"""Does a block's past predict its future on a trace? The ceiling of every
+policy that ranks blocks by how often they were used
+(docs/policy.md, "The issue's production trace").
+
+Two caches with the replay's rules (``reference_policies``: prefix hits,
+missing blocks stored unless declined, the head of a request most recent)
+rank resident blocks by how many requests used them within a window of
+``W`` requests:
+
+* ``past``: the last ``W`` requests, this one included: what an online
+  frequency policy can know, with exact counts and the window picked after
+  the fact;
+* ``future``: the next ``W`` requests: an oracle.
+
+The lowest-ranked evictable blocks leave first, the least recent first on
+ties; a missing block is stored only if it outranks the block it would
+replace (TinyLFU's admission, so the one-offs do not flush the ranking).
+Where ``past`` stays near LRU while ``future`` is far above it, how often a
+block was used does not tell how soon it comes back, and no policy that
+reads only per-block history can get much of what OPT gets.
+
+Cost: each request that evicts ranks every resident block, so a run takes
+``O(requests x capacity)`` window counts: about a minute at 4,000 blocks
+over 4,000 requests.
+
+    python benchmarks/frequency_foresight.py TRACE [--capacity 1000,4000]
+        [--windows 100,1000,4000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import sys
+from bisect import bisect_right
+from collections import defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+
+from reference_policies import LRUCache, Requests, prefix_hit_ratio
+
+from kvtier.progress import make_progress
+from kvtier.replay.trace import BUNDLED_TRACE, load_trace
+
+
+def use_times(requests: Requests) -> dict[int, list[int]]:
+    """Block -> indices of the requests that use it, ascending (each once)."""
+    out: dict[int, list[int]] = defaultdict(list)
+    for i, ids in enumerate(requests):
+        for h in dict.fromkeys(ids):
+            out[h].append(i)
+    return out
+
+
+class WindowLFU:
+    """Ranks blocks by their uses in a window of requests around the current one.
+
+    Owns the resident blocks and each one's last use (a clock that counts
+    block uses, tail first, so a request's head is its most recent block).
+    Invariant: at most ``capacity`` resident blocks. ``uses`` is every
+    block's use list (``use_times``); ``future`` picks the next ``window``
+    requests instead of the last ``window`` (this one included).
+    """
+
+    def __init__(self, capacity: int, window: int, uses: dict[int, list[int]],
+                 future: bool) -> None:
+        if capacity < 1 or window < 1:
+            raise ValueError(f"capacity and window must be >= 1, got {capacity}, {window}")
+        self.capacity = capacity
+        self.window = window
+        self.uses = uses
+        self.future = future
+        self.request = 0  # index of the request being served
+        self.clock = 0
+        self.last: dict[int, int] = {}  # resident block -> clock of its last use
+
+    def __contains__(self, block: int) -> bool:
+        return block in self.last
+
+    def count(self, block: int) -> int:
+        """Uses of ``block`` in the window around the current request."""
+        u, i = self.uses[block], self.request
+        if self.future:
+            return bisect_right(u, i + self.window) - bisect_right(u, i)
+        return bisect_right(u, i) - bisect_right(u, i - self.window)
+
+    def serve(self, ids: Sequence[int]) -> None:
+        """Store what the ranking admits of the request's missing blocks, then use them."""
+        last = self.last
+        missing = [h for h in ids if h not in last]
+        room = self.capacity - len(last)
+        if len(missing) > room:
+            missing = missing[:room + self._replace(missing[room:], set(ids))]
+        for h in missing[:self.capacity]:
+            last[h] = 0
+        for h in reversed(ids):
+            self.clock += 1
+            if h in last:
+                last[h] = self.clock
+        self.request += 1
+
+    def _replace(self, extra: list[int], protected: set[int]) -> int:
+        """Evict one resident block for each leading block of ``extra`` that
+        outranks it; return how many were replaced."""
+        count, last = self.count, self.last
+        victims = heapq.nsmallest(len(extra), ((count(h), last[h], h) for h in last
+                                               if h not in protected))
+        n = 0
+        for h, (score, _, victim) in zip(extra, victims, strict=False):
+            if count(h) <= score:
+                break
+            del last[victim]
+            n += 1
+        return n
+
+
+def run(requests: Requests, capacities: list[int], windows: list[int],
+        progress: bool = True) -> dict[tuple[int, int], tuple[float, float, float]]:
+    """(capacity, window) -> hit ratios of LRU, ``past`` and ``future``."""
+    uses = use_times(requests)
+    bar = make_progress(len(capacities) * (1 + 2 * len(windows)), progress, unit="run")
+    out: dict[tuple[int, int], tuple[float, float, float]] = {}
+    try:
+        for capacity in capacities:
+            bar.describe(f"lru @ {capacity}")
+            lru = prefix_hit_ratio(requests, LRUCache(capacity))
+            bar.update(1)
+            for window in windows:
+                ratios = []
+                for future in (False, True):
+                    bar.describe(f"{'future' if future else 'past'} {window} @ {capacity}")
+                    cache = WindowLFU(capacity, window, uses, future)
+                    ratios.append(prefix_hit_ratio(requests, cache))
+                    bar.update(1)
+                out[capacity, window] = (lru, ratios[0], ratios[1])
+    finally:
+        bar.close()
+    return out
+
+
+def table(results: dict[tuple[int, int], tuple[float, float, float]]) -> str:
+    """One row per (capacity, window): hit ratios and x LRU."""
+    lines = [f"{'blocks':>7s} {'window':>7s} {'LRU':>7s} {'past':>7s} {'x LRU':>6s} "
+             f"{'future':>7s} {'x LRU':>6s}"]
+    for (capacity, window), (lru, past, future) in results.items():
+        lines.append(f"{capacity:7d} {window:7d} {lru:7.4f} {past:7.4f} {_x(past, lru)} "
+                     f"{future:7.4f} {_x(future, lru)}")
+    return "\n".join(lines)
+
+
+def _x(ratio: float, lru: float) -> str:
+    return f"{ratio / lru:6.2f}" if lru else f"{'-':>6s}"
+
+
+def _ints(text: str, what: str, ap: argparse.ArgumentParser) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        ap.error(f"--{what} takes comma-separated ints, got {text!r}")
+    if any(v < 1 for v in values):
+        ap.error(f"--{what} values must be >= 1, got {text!r}")
+    return values
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("trace", nargs="?", type=Path, default=BUNDLED_TRACE)
+    ap.add_argument("--capacity", default="1000,4000", help="cache sizes in blocks")
+    ap.add_argument("--windows", default="100,1000,4000", help="window lengths in requests")
+    ap.add_argument("--no-progress", action="store_true")
+    args = ap.parse_args(argv)
+    capacities = _ints(args.capacity, "capacity", ap)
+    windows = _ints(args.windows, "windows", ap)
+    requests = [r.hash_ids for r in load_trace(args.trace)]
+    print(table(run(requests, capacities, windows, not args.no_progress)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
