@@ -19,12 +19,17 @@ Where ``past`` stays near LRU while ``future`` is far above it, how often a
 block was used does not tell how soon it comes back, and no policy that
 reads only per-block history can get much of what OPT gets.
 
+With ``--gpu-blocks N`` the caches see what kvtier is asked about behind an
+``N``-block engine prefix cache (``kvtier.replay.behind_engine``: each
+request's blocks past its engine hit, the stream whose OPT ``kvtier replay
+--gpu-blocks N --bounds`` reports), not the whole trace.
+
 Cost: each request that evicts ranks every resident block, so a run takes
 ``O(requests x capacity)`` window counts: about a minute at 4,000 blocks
 over 4,000 requests.
 
     python benchmarks/frequency_foresight.py TRACE [--capacity 1000,4000]
-        [--windows 100,1000,4000]
+        [--windows 100,1000,4000] [--gpu-blocks N]
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from pathlib import Path
 from reference_policies import LRUCache, Requests, prefix_hit_ratio
 
 from kvtier.progress import make_progress
+from kvtier.replay.behind_engine import check_fits, engine_miss_streams, served_requests
 from kvtier.replay.trace import BUNDLED_TRACE, load_trace
 
 
@@ -138,6 +144,20 @@ def run(requests: Requests, capacities: list[int], windows: list[int],
     return out
 
 
+def asked_streams(trace: Path, gpu_blocks: int) -> Requests:
+    """The trace's requests as hash ids, or with ``gpu_blocks`` what kvtier is
+    asked about behind an engine cache of that many blocks (each key numbered
+    in order of first appearance)."""
+    loaded = load_trace(trace)
+    if not gpu_blocks:
+        return [r.hash_ids for r in loaded]
+    served = served_requests(loaded)
+    check_fits(served, gpu_blocks)
+    number: dict[bytes, int] = {}
+    return [[number.setdefault(key, len(number)) for key in keys]
+            for keys in engine_miss_streams(served, gpu_blocks)[0]]
+
+
 def table(results: dict[tuple[int, int], tuple[float, float, float]]) -> str:
     """One row per (capacity, window): hit ratios and x LRU."""
     lines = [f"{'blocks':>7s} {'window':>7s} {'LRU':>7s} {'past':>7s} {'x LRU':>6s} "
@@ -167,11 +187,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("trace", nargs="?", type=Path, default=BUNDLED_TRACE)
     ap.add_argument("--capacity", default="1000,4000", help="cache sizes in blocks")
     ap.add_argument("--windows", default="100,1000,4000", help="window lengths in requests")
+    ap.add_argument("--gpu-blocks", type=int, default=0,
+                    help="rank what kvtier is asked behind an engine cache of N blocks")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
     capacities = _ints(args.capacity, "capacity", ap)
     windows = _ints(args.windows, "windows", ap)
-    requests = [r.hash_ids for r in load_trace(args.trace)]
+    if args.gpu_blocks < 0:
+        ap.error(f"--gpu-blocks must be >= 0, got {args.gpu_blocks}")
+    try:
+        requests = asked_streams(args.trace, args.gpu_blocks)
+    except ValueError as exc:  # a request the engine could never hold
+        ap.error(str(exc))
     print(table(run(requests, capacities, windows, not args.no_progress)))
     return 0
 

@@ -18,7 +18,7 @@ from helpers.policy_contract import exercise, random_ops
 
 from kvtier import block_key
 from kvtier.replay.driver import replay
-from kvtier.replay.generate import write_trace
+from kvtier.replay.generate import generate, write_trace
 from kvtier.replay.trace import TraceRequest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -171,8 +171,6 @@ def test_a_variant_replays_by_module_path(monkeypatch: pytest.MonkeyPatch) -> No
 
 def _chat_requests(seed: int = 3, n: int = 400) -> list[tuple[int, ...]]:
     """Generated chat traffic: multi-turn prefixes, so every family has reuse to find."""
-    from kvtier.replay.generate import generate
-
     return [r.hash_ids for r in generate("chat", seed=seed, requests=n)]
 
 
@@ -291,3 +289,20 @@ def test_frequency_foresight_command(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert float(rows[0][3]) == 0.0 and float(rows[1][3]) > 0.25
     with pytest.raises(SystemExit):
         fs.main([str(trace), "--windows", "0"])
+
+
+def test_frequency_foresight_behind_the_engine_ranks_what_kvtier_is_asked(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    fs = _foresight()
+    trace = tmp_path / "chat.jsonl"
+    write_trace(generate("chat", seed=2, requests=300), trace)
+    whole = fs.asked_streams(trace, 0)
+    asked = fs.asked_streams(trace, 64)
+    # the engine's hits are not asked: fewer blocks, and a request's asked blocks
+    # are numbered keys, not the trace's hash ids
+    assert 0 < sum(map(len, asked)) < sum(map(len, whole))
+    assert fs.main([str(trace), "--gpu-blocks", "64", "--capacity", "16", "--windows", "10",
+                    "--no-progress"]) == 0
+    assert capsys.readouterr().out.splitlines()[1].split()[:2] == ["16", "10"]
+    with pytest.raises(SystemExit):  # the longest request does not fit the engine
+        fs.main([str(trace), "--gpu-blocks", "2", "--no-progress"])
