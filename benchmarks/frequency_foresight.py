@@ -1,6 +1,6 @@
-"""Does a block's past predict its future on a trace? The ceiling of every
-policy that ranks blocks by how often they were used
-(docs/policy.md, "The issue's production trace").
+"""Does a block's past predict its future on a trace? A generous ceiling for
+the policies that rank blocks by how often they were used
+(docs/policy.md, "Does a block's past say when it comes back?").
 
 Two caches with the replay's rules (``reference_policies``: prefix hits,
 missing blocks stored unless declined, the head of a request most recent)
@@ -26,7 +26,8 @@ request's blocks past its engine hit, the stream whose OPT ``kvtier replay
 
 Cost: each request that evicts ranks every resident block, so a run takes
 ``O(requests x capacity)`` window counts: about a minute at 4,000 blocks
-over 4,000 requests.
+over 4,000 requests. Memory: every block's list of uses (a measurement over
+the whole trace, not a design).
 
     python benchmarks/frequency_foresight.py TRACE [--capacity 1000,4000]
         [--windows 100,1000,4000] [--gpu-blocks N]
