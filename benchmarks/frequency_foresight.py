@@ -10,14 +10,19 @@ rank resident blocks by how many requests used them within a window of
 * ``past``: the last ``W`` requests, this one included: what an online
   frequency policy can know, with exact counts and the window picked after
   the fact;
-* ``future``: the next ``W`` requests: an oracle.
+* ``future``: the next ``W`` requests: an oracle;
+* ``fitted``: by the state a block is in (how many requests used it so far,
+  how many requests ago the last one was), valued by how often blocks in
+  that state are used again within the next ``W`` requests, counted over
+  the whole trace (``reuse_table``): fitted on the trace it ranks, so the
+  best any fixed map from recency and frequency to a rank could do.
 
 The lowest-ranked evictable blocks leave first, the least recent first on
 ties; a missing block is stored only if it outranks the block it would
 replace (TinyLFU's admission, so the one-offs do not flush the ranking).
-Where ``past`` stays near LRU while ``future`` is far above it, how often a
-block was used does not tell how soon it comes back, and no policy that
-reads only per-block history can get much of what OPT gets.
+Where ``past`` and ``fitted`` stay near LRU while ``future`` is far above
+it, a block's uses so far do not tell how soon it comes back, and no
+policy that reads only per-block history can get much of what OPT gets.
 
 With ``--gpu-blocks N`` the caches see what kvtier is asked about behind an
 ``N``-block engine prefix cache (``kvtier.replay.behind_engine``: each
@@ -59,37 +64,32 @@ def use_times(requests: Requests) -> dict[int, list[int]]:
     return out
 
 
-class WindowLFU:
-    """Ranks blocks by their uses in a window of requests around the current one.
+class RankedCache:
+    """A cache that keeps the blocks ranking highest now (``score``), with the
+    replay's rules.
 
     Owns the resident blocks and each one's last use (a clock that counts
-    block uses, tail first, so a request's head is its most recent block).
-    Invariant: at most ``capacity`` resident blocks. ``uses`` is every
-    block's use list (``use_times``); ``future`` picks the next ``window``
-    requests instead of the last ``window`` (this one included).
+    block uses, tail first, so a request's head is its most recent block,
+    which breaks ties). Invariant: at most ``capacity`` resident blocks.
+    ``uses`` is every block's use list (``use_times``); ``request`` is the
+    index of the request being served.
     """
 
-    def __init__(self, capacity: int, window: int, uses: dict[int, list[int]],
-                 future: bool) -> None:
-        if capacity < 1 or window < 1:
-            raise ValueError(f"capacity and window must be >= 1, got {capacity}, {window}")
+    def __init__(self, capacity: int, uses: dict[int, list[int]]) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
         self.capacity = capacity
-        self.window = window
         self.uses = uses
-        self.future = future
-        self.request = 0  # index of the request being served
+        self.request = 0
         self.clock = 0
         self.last: dict[int, int] = {}  # resident block -> clock of its last use
 
     def __contains__(self, block: int) -> bool:
         return block in self.last
 
-    def count(self, block: int) -> int:
-        """Uses of ``block`` in the window around the current request."""
-        u, i = self.uses[block], self.request
-        if self.future:
-            return bisect_right(u, i + self.window) - bisect_right(u, i)
-        return bisect_right(u, i) - bisect_right(u, i - self.window)
+    def score(self, block: int) -> float:
+        """How much ``block`` is worth keeping while the current request is served."""
+        raise NotImplementedError
 
     def serve(self, ids: Sequence[int]) -> None:
         """Store what the ranking admits of the request's missing blocks, then use them."""
@@ -109,37 +109,113 @@ class WindowLFU:
     def _replace(self, extra: list[int], protected: set[int]) -> int:
         """Evict one resident block for each leading block of ``extra`` that
         outranks it; return how many were replaced."""
-        count, last = self.count, self.last
-        victims = heapq.nsmallest(len(extra), ((count(h), last[h], h) for h in last
+        score, last = self.score, self.last
+        victims = heapq.nsmallest(len(extra), ((score(h), last[h], h) for h in last
                                                if h not in protected))
         n = 0
-        for h, (score, _, victim) in zip(extra, victims, strict=False):
-            if count(h) <= score:
+        for h, (worth, _, victim) in zip(extra, victims, strict=False):
+            if score(h) <= worth:
                 break
             del last[victim]
             n += 1
         return n
 
 
+class WindowLFU(RankedCache):
+    """Ranks blocks by their uses in a window of ``window`` requests: the last
+    ones, this one included, or with ``future`` the next ones (an oracle)."""
+
+    def __init__(self, capacity: int, window: int, uses: dict[int, list[int]],
+                 future: bool) -> None:
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
+        super().__init__(capacity, uses)
+        self.window = window
+        self.future = future
+
+    def score(self, block: int) -> float:
+        u, i = self.uses[block], self.request
+        if self.future:
+            return bisect_right(u, i + self.window) - bisect_right(u, i)
+        return bisect_right(u, i) - bisect_right(u, i - self.window)
+
+
+USES_CAP = 16
+"""Use counts above this share one class (classes: 1, 2-3, 4-7, 8-15, 16+)."""
+AGE_CAP = 1 << 14
+"""Ages (requests since the last use) above this share one class (log2 classes)."""
+
+
+def state(uses: int, age: int) -> tuple[int, int]:
+    """The class of a block used ``uses`` times, the last ``age`` requests ago."""
+    return min(uses, USES_CAP).bit_length(), min(age, AGE_CAP).bit_length()
+
+
+def reuse_table(requests: Requests, horizon: int) -> dict[tuple[int, int], float]:
+    """``state`` -> the share of the trace's blocks in that state that are used
+    again within the next ``horizon`` requests, counted over the whole trace.
+
+    In-sample: fitted on the trace it then ranks, so a cache that reads it
+    gets the best any fixed map from (uses, age) to a rank could.
+    """
+    gaps: dict[int, list[int]] = defaultdict(list)  # uses class -> gaps to the next use
+    never = len(requests) + AGE_CAP + horizon + 1  # past every age and horizon
+    for u in use_times(requests).values():
+        for k, t in enumerate(u):
+            gaps[state(k + 1, 0)[0]].append(u[k + 1] - t if k + 1 < len(u) else never)
+    table: dict[tuple[int, int], float] = {}
+    for uses_class, g in gaps.items():
+        g.sort()
+        for age_class in range(AGE_CAP.bit_length() + 1):
+            age = (1 << age_class) >> 1  # the least age of the class
+            alive = len(g) - bisect_right(g, age)  # not used again by that age
+            again = bisect_right(g, age + horizon) - bisect_right(g, age)
+            table[uses_class, age_class] = again / alive if alive else 0.0
+    return table
+
+
+class FittedRanking(RankedCache):
+    """Ranks blocks by ``table`` (``reuse_table``) at their current state: uses
+    so far, this request included, and requests since the last one."""
+
+    def __init__(self, capacity: int, uses: dict[int, list[int]],
+                 table: dict[tuple[int, int], float]) -> None:
+        super().__init__(capacity, uses)
+        self.table = table
+
+    def score(self, block: int) -> float:
+        u, i = self.uses[block], self.request
+        k = bisect_right(u, i)
+        return self.table.get(state(k, i - u[k - 1]), 0.0)
+
+
+Row = tuple[float, float, float, float]
+"""Hit ratios of LRU, ``past``, ``future`` and ``fitted``."""
+
+
 def run(requests: Requests, capacities: list[int], windows: list[int],
-        progress: bool = True) -> dict[tuple[int, int], tuple[float, float, float]]:
-    """(capacity, window) -> hit ratios of LRU, ``past`` and ``future``."""
+        progress: bool = True) -> dict[tuple[int, int], Row]:
+    """(capacity, window) -> the hit ratio of each ranking (``Row``)."""
     uses = use_times(requests)
-    bar = make_progress(len(capacities) * (1 + 2 * len(windows)), progress, unit="run")
-    out: dict[tuple[int, int], tuple[float, float, float]] = {}
+    tables = {window: reuse_table(requests, window) for window in windows}
+    bar = make_progress(len(capacities) * (1 + 3 * len(windows)), progress, unit="run")
+    out: dict[tuple[int, int], Row] = {}
     try:
         for capacity in capacities:
             bar.describe(f"lru @ {capacity}")
             lru = prefix_hit_ratio(requests, LRUCache(capacity))
             bar.update(1)
             for window in windows:
+                caches: dict[str, RankedCache] = {
+                    "past": WindowLFU(capacity, window, uses, future=False),
+                    "future": WindowLFU(capacity, window, uses, future=True),
+                    "fitted": FittedRanking(capacity, uses, tables[window])}
                 ratios = []
-                for future in (False, True):
-                    bar.describe(f"{'future' if future else 'past'} {window} @ {capacity}")
-                    cache = WindowLFU(capacity, window, uses, future)
+                for name, cache in caches.items():
+                    bar.describe(f"{name} {window} @ {capacity}")
                     ratios.append(prefix_hit_ratio(requests, cache))
                     bar.update(1)
-                out[capacity, window] = (lru, ratios[0], ratios[1])
+                out[capacity, window] = (lru, ratios[0], ratios[1], ratios[2])
     finally:
         bar.close()
     return out
@@ -159,13 +235,14 @@ def asked_streams(trace: Path, gpu_blocks: int) -> Requests:
             for keys in engine_miss_streams(served, gpu_blocks)[0]]
 
 
-def table(results: dict[tuple[int, int], tuple[float, float, float]]) -> str:
+def table(results: dict[tuple[int, int], Row]) -> str:
     """One row per (capacity, window): hit ratios and x LRU."""
-    lines = [f"{'blocks':>7s} {'window':>7s} {'LRU':>7s} {'past':>7s} {'x LRU':>6s} "
-             f"{'future':>7s} {'x LRU':>6s}"]
-    for (capacity, window), (lru, past, future) in results.items():
-        lines.append(f"{capacity:7d} {window:7d} {lru:7.4f} {past:7.4f} {_x(past, lru)} "
-                     f"{future:7.4f} {_x(future, lru)}")
+    names = ("past", "future", "fitted")
+    lines = [f"{'blocks':>7s} {'window':>7s} {'LRU':>7s} "
+             + " ".join(f"{n:>7s} {'x LRU':>6s}" for n in names)]
+    for (capacity, window), (lru, *ratios) in results.items():
+        cells = " ".join(f"{r:7.4f} {_x(r, lru)}" for r in ratios)
+        lines.append(f"{capacity:7d} {window:7d} {lru:7.4f} {cells}")
     return "\n".join(lines)
 
 

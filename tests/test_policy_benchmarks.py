@@ -306,3 +306,29 @@ def test_frequency_foresight_behind_the_engine_ranks_what_kvtier_is_asked(
     assert capsys.readouterr().out.splitlines()[1].split()[:2] == ["16", "10"]
     with pytest.raises(SystemExit):  # the longest request does not fit the engine
         fs.main([str(trace), "--gpu-blocks", "2", "--no-progress"])
+
+
+def test_reuse_table_counts_uses_again_within_the_horizon() -> None:
+    fs = _foresight()
+    # block 7 used at requests 0, 2, 3; block 8 once
+    requests = [(7,), (9,), (7,), (7, 8)]
+    table = fs.reuse_table(requests, horizon=1)
+    once, twice = fs.state(1, 0)[0], fs.state(2, 0)[0]
+    # after one use: 7 (next gap 2) and 9, 8 (never) -> nothing within 1 request
+    assert table[once, 0] == 0.0
+    # ... but of those still unused one request on (7 only), all come back by 2
+    assert table[once, fs.state(1, 1)[1]] == pytest.approx(1 / 3)  # 7 of 7, 9, 8
+    # after its second use 7 comes back the next request (uses 2-3 share a class)
+    assert table[twice, 0] == pytest.approx(1 / 2)  # the 2nd use's gap 1, the 3rd's never
+
+
+def test_fitted_ranking_keeps_the_head_and_an_inverted_table_loses_it() -> None:
+    fs = _foresight()
+    requests = _shared_head_between_one_offs()
+    uses = fs.use_times(requests)
+    table = fs.reuse_table(requests, 3)
+    fitted = fs.prefix_hit_ratio(requests, fs.FittedRanking(4, uses, table))
+    inverted = {k: 1 - v for k, v in table.items()}  # the negative control
+    lost = fs.prefix_hit_ratio(requests, fs.FittedRanking(4, uses, inverted))
+    assert fitted == pytest.approx(3 * 99 / (11 * 100))
+    assert lost < 0.01  # the one-offs outrank the head: it is hardly ever found
