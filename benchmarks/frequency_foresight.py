@@ -2,15 +2,14 @@
 the policies that rank blocks by how often they were used
 (docs/policy.md, "Does a block's past say when it comes back?").
 
-Two caches with the replay's rules (``reference_policies``: prefix hits,
+Three caches with the replay's rules (``reference_policies``: prefix hits,
 missing blocks stored unless declined, the head of a request most recent)
-rank resident blocks by how many requests used them within a window of
-``W`` requests:
+rank resident blocks, each for a window of ``W`` requests:
 
-* ``past``: the last ``W`` requests, this one included: what an online
-  frequency policy can know, with exact counts and the window picked after
-  the fact;
-* ``future``: the next ``W`` requests: an oracle;
+* ``past``: by how many of the last ``W`` requests, this one included,
+  used them: what an online frequency policy can know, with exact counts
+  and the window picked after the fact;
+* ``future``: by how many of the next ``W`` requests use them: an oracle;
 * ``fitted``: by the state a block is in (how many requests used it so far,
   how many requests ago the last one was), valued by how often blocks in
   that state are used again within the next ``W`` requests, counted over
