@@ -49,6 +49,8 @@ from pathlib import Path
 
 from reference_policies import LRUCache, Requests, prefix_hit_ratio
 
+from kvtier.argtypes import positive_int
+from kvtier.cli import int_list
 from kvtier.progress import make_progress
 from kvtier.replay.behind_engine import check_fits, engine_miss_streams, served_requests
 from kvtier.replay.trace import BUNDLED_TRACE, load_trace
@@ -150,16 +152,19 @@ def state(uses: int, age: int) -> tuple[int, int]:
     return min(uses, USES_CAP).bit_length(), min(age, AGE_CAP).bit_length()
 
 
-def reuse_table(requests: Requests, horizon: int) -> dict[tuple[int, int], float]:
+def reuse_table(uses: dict[int, list[int]], horizon: int) -> dict[tuple[int, int], float]:
     """``state`` -> the share of the trace's blocks in that state that are used
-    again within the next ``horizon`` requests, counted over the whole trace.
+    again within the next ``horizon`` requests, counted over the whole trace
+    (``uses``: ``use_times`` of it).
 
     In-sample: fitted on the trace it then ranks, so a cache that reads it
     gets the best any fixed map from (uses, age) to a rank could.
     """
+    if horizon < 1:
+        raise ValueError(f"horizon must be >= 1, got {horizon}")
     gaps: dict[int, list[int]] = defaultdict(list)  # uses class -> gaps to the next use
-    never = len(requests) + AGE_CAP + horizon + 1  # past every age and horizon
-    for u in use_times(requests).values():
+    never = AGE_CAP + horizon + 1  # past every age and horizon the table asks about
+    for u in uses.values():
         for k, t in enumerate(u):
             gaps[state(k + 1, 0)[0]].append(u[k + 1] - t if k + 1 < len(u) else never)
     table: dict[tuple[int, int], float] = {}
@@ -196,7 +201,7 @@ def run(requests: Requests, capacities: list[int], windows: list[int],
         progress: bool = True) -> dict[tuple[int, int], Row]:
     """(capacity, window) -> the hit ratio of each ranking (``Row``)."""
     uses = use_times(requests)
-    tables = {window: reuse_table(requests, window) for window in windows}
+    tables = {window: reuse_table(uses, window) for window in windows}
     bar = make_progress(len(capacities) * (1 + 3 * len(windows)), progress, unit="run")
     out: dict[tuple[int, int], Row] = {}
     try:
@@ -249,34 +254,22 @@ def _x(ratio: float, lru: float) -> str:
     return f"{ratio / lru:6.2f}" if lru else f"{'-':>6s}"
 
 
-def _ints(text: str, what: str, ap: argparse.ArgumentParser) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",")]
-    except ValueError:
-        ap.error(f"--{what} takes comma-separated ints, got {text!r}")
-    if any(v < 1 for v in values):
-        ap.error(f"--{what} values must be >= 1, got {text!r}")
-    return values
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("trace", nargs="?", type=Path, default=BUNDLED_TRACE)
-    ap.add_argument("--capacity", default="1000,4000", help="cache sizes in blocks")
-    ap.add_argument("--windows", default="100,1000,4000", help="window lengths in requests")
-    ap.add_argument("--gpu-blocks", type=int, default=0,
+    ap.add_argument("--capacity", type=int_list, default="1000,4000",
+                    help="cache sizes in blocks")
+    ap.add_argument("--windows", type=int_list, default="100,1000,4000",
+                    help="window lengths in requests")
+    ap.add_argument("--gpu-blocks", type=positive_int, default=None,
                     help="rank what kvtier is asked behind an engine cache of N blocks")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
-    capacities = _ints(args.capacity, "capacity", ap)
-    windows = _ints(args.windows, "windows", ap)
-    if args.gpu_blocks < 0:
-        ap.error(f"--gpu-blocks must be >= 0, got {args.gpu_blocks}")
     try:
-        requests = asked_streams(args.trace, args.gpu_blocks)
-    except ValueError as exc:  # a request the engine could never hold
+        requests = asked_streams(args.trace, args.gpu_blocks or 0)
+    except (OSError, ValueError) as exc:  # no trace, a bad one, or a request the engine cannot hold
         ap.error(str(exc))
-    print(table(run(requests, capacities, windows, not args.no_progress)))
+    print(table(run(requests, args.capacity, args.windows, not args.no_progress)))
     return 0
 
 

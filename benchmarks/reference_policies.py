@@ -40,6 +40,7 @@ from functools import partial
 from pathlib import Path
 from typing import Protocol
 
+from kvtier.cli import int_list
 from kvtier.progress import make_progress
 from kvtier.replay.trace import BUNDLED_TRACE, load_trace
 
@@ -346,19 +347,16 @@ def table(ratios: dict[tuple[str, int], float], capacities: list[int]) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("trace", nargs="?", type=Path, default=BUNDLED_TRACE)
-    ap.add_argument("--capacity", default="1000,4000,16000",
+    ap.add_argument("--capacity", type=int_list, default="1000,4000,16000",
                     help="cache sizes in blocks, comma-separated")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
     try:
-        capacities = [int(c) for c in args.capacity.split(",")]
-    except ValueError:
-        ap.error(f"--capacity takes comma-separated ints, got {args.capacity!r}")
-    if any(c < 1 for c in capacities):
-        ap.error(f"--capacity values must be >= 1, got {args.capacity!r}")
-    requests = [r.hash_ids for r in load_trace(args.trace)]
-    ratios = run(requests, capacities, not args.no_progress)
-    print(table(ratios, capacities))
+        requests = [r.hash_ids for r in load_trace(args.trace)]
+    except (OSError, ValueError) as exc:  # no trace, or a bad one
+        ap.error(str(exc))
+    ratios = run(requests, args.capacity, not args.no_progress)
+    print(table(ratios, args.capacity))
     return 0
 
 

@@ -312,7 +312,7 @@ def test_reuse_table_counts_uses_again_within_the_horizon() -> None:
     fs = _foresight()
     # block 7 used at requests 0, 2, 3; block 8 once
     requests = [(7,), (9,), (7,), (7, 8)]
-    table = fs.reuse_table(requests, horizon=1)
+    table = fs.reuse_table(fs.use_times(requests), horizon=1)
     once, twice = fs.state(1, 0)[0], fs.state(2, 0)[0]
     # after one use: 7 (next gap 2) and 9, 8 (never) -> nothing within 1 request
     assert table[once, 0] == 0.0
@@ -326,9 +326,21 @@ def test_fitted_ranking_keeps_the_head_and_an_inverted_table_loses_it() -> None:
     fs = _foresight()
     requests = _shared_head_between_one_offs()
     uses = fs.use_times(requests)
-    table = fs.reuse_table(requests, 3)
+    table = fs.reuse_table(uses, 3)
     fitted = fs.prefix_hit_ratio(requests, fs.FittedRanking(4, uses, table))
     inverted = {k: 1 - v for k, v in table.items()}  # the negative control
     lost = fs.prefix_hit_ratio(requests, fs.FittedRanking(4, uses, inverted))
     assert fitted == pytest.approx(3 * 99 / (11 * 100))
     assert lost < 0.01  # the one-offs outrank the head: it is hardly ever found
+
+
+def test_foresight_and_reference_commands_name_a_missing_trace(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    fs = _foresight()
+    ref = _load("reference_policies")
+    for main in (fs.main, ref.main):
+        with pytest.raises(SystemExit):
+            main([str(tmp_path / "nowhere.jsonl"), "--no-progress"])
+        assert "trace file not found" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="horizon"):
+        fs.reuse_table({}, 0)
