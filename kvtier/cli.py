@@ -15,6 +15,8 @@
     kvtier bench serve [--configs ...] [--traffic ...] [--regimes ...] [--repeats N]  (kvtier.bench)
     kvtier soak [--requests N] [--cpu-blocks N] [--disk-blocks N] [--json] [--plot OUT.png]
                 (kvtier.replay.soak)
+    kvtier foresight [TRACE] [--capacity N[,N...]] [--windows W[,W...]] [--gpu-blocks N]
+                     [--json]  (kvtier.replay.foresight)
 
 Errors in the input (unknown policy, missing or malformed trace) are reported
 as ``kvtier: error: ...`` with exit status 2, like argparse's own.
@@ -100,6 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
     from kvtier.replay.soak_command import add_soak_parser
 
     add_soak_parser(commands)
+    from kvtier.replay.foresight_command import add_foresight_parser
+
+    add_foresight_parser(commands)
     return parser
 
 

@@ -1,6 +1,6 @@
 """The policy benchmarks run and say what they claim (benchmarks/admission_oracles.py,
 bench_policy_cost.py, bench_adaptive_parts.py, count_policy_instructions.py,
-policy_variants.py, reference_policies.py, frequency_foresight.py)."""
+policy_variants.py, reference_policies.py)."""
 
 from __future__ import annotations
 
@@ -14,11 +14,12 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+from helpers.hash_id_traces import chat_requests, shared_head_between_one_offs
 from helpers.policy_contract import exercise, random_ops
 
 from kvtier import block_key
 from kvtier.replay.driver import replay
-from kvtier.replay.generate import generate, write_trace
+from kvtier.replay.generate import write_trace
 from kvtier.replay.trace import TraceRequest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -169,33 +170,9 @@ def test_a_variant_replays_by_module_path(monkeypatch: pytest.MonkeyPatch) -> No
     assert one.stores_skipped > 0 and two.stores < one.stores
 
 
-def _chat_requests(seed: int = 3, n: int = 400) -> list[tuple[int, ...]]:
-    """Generated chat traffic: multi-turn prefixes, so every family has reuse to find."""
-    return [r.hash_ids for r in generate("chat", seed=seed, requests=n)]
-
-
-@pytest.mark.parametrize("capacity", [40, 200])
-def test_reference_lru_equals_the_managers_lru_replay(capacity: int) -> None:
-    ref = _load("reference_policies")
-    requests = _chat_requests()
-    mine = ref.prefix_hit_ratio(requests, ref.LRUCache(capacity))
-    keys = [[block_key(h) for h in ids] for ids in requests]
-    assert mine > 0
-    assert mine == replay(keys, capacity, "lru").hit_ratio
-
-
-def _shared_head_between_one_offs() -> list[tuple[int, ...]]:
-    """A 3-block prefix used every third request; two 4-block one-offs in between."""
-    out: list[tuple[int, ...]] = []
-    for i in range(100):
-        out += [(0, 1, 2), tuple(range(1000 + 8 * i, 1004 + 8 * i)),
-                tuple(range(1004 + 8 * i, 1008 + 8 * i))]
-    return out
-
-
 def test_reference_admission_rules_decline_what_they_say() -> None:
     ref = _load("reference_policies")
-    requests = _shared_head_between_one_offs()
+    requests = shared_head_between_one_offs()
     lru = ref.prefix_hit_ratio(requests, ref.LRUCache(4))
     # one-offs were never used before, so they stay out and the head stays resident
     kept = ref.prefix_hit_ratio(requests, ref.Threshold(4, 1))
@@ -210,7 +187,7 @@ def test_heap_caches_stay_within_capacity_and_keep_the_request(make: str) -> Non
     ref = _load("reference_policies")
     capacity = 64
     cache = ref.LRU2(capacity, 2) if make == "lru2" else ref.AgedLFU(capacity, 2)
-    for ids in _chat_requests(seed=5, n=600):
+    for ids in chat_requests(seed=5, n=600):
         cache.serve(ids)
         assert len(cache.resident) <= capacity
         if make == "lru2" and len(ids) <= capacity:
@@ -224,7 +201,7 @@ def test_reference_policies_command(tmp_path: Path, capsys: pytest.CaptureFixtur
     ref = _load("reference_policies")
     trace = tmp_path / "t.jsonl"
     write_trace([TraceRequest(i, len(ids) * 512, 10, ids)
-                 for i, ids in enumerate(_shared_head_between_one_offs())], trace)
+                 for i, ids in enumerate(shared_head_between_one_offs())], trace)
     assert ref.main([str(trace), "--capacity", "4,8", "--no-progress"]) == 0
     out = capsys.readouterr().out.splitlines()
     split = out.index("best of each family (parameter picked after the fact):")
@@ -239,108 +216,9 @@ def test_reference_policies_command(tmp_path: Path, capsys: pytest.CaptureFixtur
         ref.main([str(trace), "--capacity", "4,x"])
 
 
-def _foresight() -> ModuleType:
-    _load("reference_policies")  # frequency_foresight imports it as a sibling
-    return _load("frequency_foresight")
-
-
-def test_use_times_lists_each_request_once_in_order() -> None:
-    fs = _foresight()
-    assert dict(fs.use_times([(1, 2, 1), (2,), (3, 1)])) == {1: [0, 2], 2: [0, 1], 3: [2]}
-
-
-def test_window_ranking_keeps_the_head_only_when_the_window_reaches_it() -> None:
-    fs = _foresight()
-    requests = _shared_head_between_one_offs()  # the head comes back every third request
-    uses = fs.use_times(requests)
-    lru = fs.prefix_hit_ratio(requests, fs.LRUCache(4))
-    # a window of three requests still counts the head's last use: the one-offs
-    # only tie with it and are declined
-    past = fs.prefix_hit_ratio(requests, fs.WindowLFU(4, 3, uses, future=False))
-    # the negative control: a window of one request sees the head at 0 uses
-    blind = fs.prefix_hit_ratio(requests, fs.WindowLFU(4, 1, uses, future=False))
-    future = fs.prefix_hit_ratio(requests, fs.WindowLFU(4, 3, uses, future=True))
-    assert lru == blind == 0.0
-    assert past == pytest.approx(3 * 99 / (11 * 100))
-    assert future >= past
-
-
-def test_window_ranking_stays_within_capacity() -> None:
-    fs = _foresight()
-    requests = _chat_requests(seed=3, n=400)
-    uses = fs.use_times(requests)
-    for future in (False, True):
-        cache = fs.WindowLFU(32, 50, uses, future)
-        for ids in requests:
-            cache.serve(ids)
-            assert len(cache.last) <= 32
-    with pytest.raises(ValueError, match="window"):
-        fs.WindowLFU(32, 0, uses, False)
-
-
-def test_frequency_foresight_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    fs = _foresight()
-    trace = tmp_path / "t.jsonl"
-    write_trace([TraceRequest(i, len(ids) * 512, 10, ids)
-                 for i, ids in enumerate(_shared_head_between_one_offs())], trace)
-    assert fs.main([str(trace), "--capacity", "4", "--windows", "1,3", "--no-progress"]) == 0
-    rows = [line.split() for line in capsys.readouterr().out.splitlines()[1:]]
-    assert [(r[0], r[1]) for r in rows] == [("4", "1"), ("4", "3")]
-    assert float(rows[0][3]) == 0.0 and float(rows[1][3]) > 0.25
-    with pytest.raises(SystemExit):
-        fs.main([str(trace), "--windows", "0"])
-
-
-def test_frequency_foresight_behind_the_engine_ranks_what_kvtier_is_asked(
+def test_reference_command_names_a_missing_trace(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    fs = _foresight()
-    trace = tmp_path / "chat.jsonl"
-    write_trace(generate("chat", seed=2, requests=300), trace)
-    whole = fs.asked_streams(trace, 0)
-    asked = fs.asked_streams(trace, 64)
-    # the engine's hits are not asked: fewer blocks, and a request's asked blocks
-    # are numbered keys, not the trace's hash ids
-    assert 0 < sum(map(len, asked)) < sum(map(len, whole))
-    assert fs.main([str(trace), "--gpu-blocks", "64", "--capacity", "16", "--windows", "10",
-                    "--no-progress"]) == 0
-    assert capsys.readouterr().out.splitlines()[1].split()[:2] == ["16", "10"]
-    with pytest.raises(SystemExit):  # the longest request does not fit the engine
-        fs.main([str(trace), "--gpu-blocks", "2", "--no-progress"])
-
-
-def test_reuse_table_counts_uses_again_within_the_horizon() -> None:
-    fs = _foresight()
-    # block 7 used at requests 0, 2, 3; block 8 once
-    requests = [(7,), (9,), (7,), (7, 8)]
-    table = fs.reuse_table(fs.use_times(requests), horizon=1)
-    once, twice = fs.state(1, 0)[0], fs.state(2, 0)[0]
-    # after one use: 7 (next gap 2) and 9, 8 (never) -> nothing within 1 request
-    assert table[once, 0] == 0.0
-    # ... but of those still unused one request on (7 only), all come back by 2
-    assert table[once, fs.state(1, 1)[1]] == pytest.approx(1 / 3)  # 7 of 7, 9, 8
-    # after its second use 7 comes back the next request (uses 2-3 share a class)
-    assert table[twice, 0] == pytest.approx(1 / 2)  # the 2nd use's gap 1, the 3rd's never
-
-
-def test_fitted_ranking_keeps_the_head_and_an_inverted_table_loses_it() -> None:
-    fs = _foresight()
-    requests = _shared_head_between_one_offs()
-    uses = fs.use_times(requests)
-    table = fs.reuse_table(uses, 3)
-    fitted = fs.prefix_hit_ratio(requests, fs.FittedRanking(4, uses, table))
-    inverted = {k: 1 - v for k, v in table.items()}  # the negative control
-    lost = fs.prefix_hit_ratio(requests, fs.FittedRanking(4, uses, inverted))
-    assert fitted == pytest.approx(3 * 99 / (11 * 100))
-    assert lost < 0.01  # the one-offs outrank the head: it is hardly ever found
-
-
-def test_foresight_and_reference_commands_name_a_missing_trace(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    fs = _foresight()
     ref = _load("reference_policies")
-    for main in (fs.main, ref.main):
-        with pytest.raises(SystemExit):
-            main([str(tmp_path / "nowhere.jsonl"), "--no-progress"])
-        assert "trace file not found" in capsys.readouterr().err
-    with pytest.raises(ValueError, match="horizon"):
-        fs.reuse_table({}, 0)
+    with pytest.raises(SystemExit):
+        ref.main([str(tmp_path / "nowhere.jsonl"), "--no-progress"])
+    assert "trace file not found" in capsys.readouterr().err

@@ -1,10 +1,10 @@
 """Does a block's past predict its future on a trace? A generous ceiling for
-the policies that rank blocks by how often they were used
-(docs/policy.md, "Does a block's past say when it comes back?").
+the policies that rank blocks by how often they were used (``kvtier
+foresight``; docs/policy.md, "Does a block's past say when it comes back?").
 
-Three caches with the replay's rules (``reference_policies``: prefix hits,
-missing blocks stored unless declined, the head of a request most recent)
-rank resident blocks, each for a window of ``W`` requests:
+Three caches with the replay's rules (``kvtier.replay.reference``: prefix
+hits, missing blocks stored unless declined, the head of a request most
+recent) rank resident blocks, each for a window of ``W`` requests:
 
 * ``past``: by how many of the last ``W`` requests, this one included,
   used them: what an online frequency policy can know, with exact counts
@@ -23,7 +23,7 @@ Where ``past`` and ``fitted`` stay near LRU while ``future`` is far above
 it, a block's uses so far do not tell how soon it comes back, and no
 policy that reads only per-block history can get much of what OPT gets.
 
-With ``--gpu-blocks N`` the caches see what kvtier is asked about behind an
+``asked_streams(trace, N)`` gives what kvtier is asked about behind an
 ``N``-block engine prefix cache (``kvtier.replay.behind_engine``: each
 request's blocks past its engine hit, the stream whose OPT ``kvtier replay
 --gpu-blocks N --bounds`` reports), not the whole trace.
@@ -32,28 +32,19 @@ Cost: each request that evicts ranks every resident block, so a run takes
 ``O(requests x capacity)`` window counts: about a minute at 4,000 blocks
 over 4,000 requests. Memory: every block's list of uses (a measurement over
 the whole trace, not a design).
-
-    python benchmarks/frequency_foresight.py TRACE [--capacity 1000,4000]
-        [--windows 100,1000,4000] [--gpu-blocks N]
 """
 
 from __future__ import annotations
 
-import argparse
 import heapq
-import sys
 from bisect import bisect_right
 from collections import defaultdict
 from collections.abc import Sequence
-from pathlib import Path
 
-from reference_policies import LRUCache, Requests, prefix_hit_ratio
-
-from kvtier.argtypes import positive_int
-from kvtier.cli import int_list
 from kvtier.progress import make_progress
 from kvtier.replay.behind_engine import check_fits, engine_miss_streams, served_requests
-from kvtier.replay.trace import BUNDLED_TRACE, load_trace
+from kvtier.replay.reference import LRUCache, Requests, prefix_hit_ratio
+from kvtier.replay.trace import TraceRequest
 
 
 def use_times(requests: Requests) -> dict[int, list[int]]:
@@ -225,11 +216,11 @@ def run(requests: Requests, capacities: list[int], windows: list[int],
     return out
 
 
-def asked_streams(trace: Path, gpu_blocks: int) -> Requests:
-    """The trace's requests as hash ids, or with ``gpu_blocks`` what kvtier is
-    asked about behind an engine cache of that many blocks (each key numbered
-    in order of first appearance)."""
-    loaded = load_trace(trace)
+def asked_streams(loaded: Sequence[TraceRequest], gpu_blocks: int) -> Requests:
+    """The requests as hash ids, or with ``gpu_blocks`` what kvtier is asked
+    about behind an engine cache of that many blocks (each key numbered in
+    order of first appearance); ``ValueError`` when the engine cannot hold the
+    longest request."""
     if not gpu_blocks:
         return [r.hash_ids for r in loaded]
     served = served_requests(loaded)
@@ -237,6 +228,13 @@ def asked_streams(trace: Path, gpu_blocks: int) -> Requests:
     number: dict[bytes, int] = {}
     return [[number.setdefault(key, len(number)) for key in keys]
             for keys in engine_miss_streams(served, gpu_blocks)[0]]
+
+
+def rows(results: dict[tuple[int, int], Row]) -> list[dict[str, float | int]]:
+    """The results as one dict per (capacity, window), for ``--json``."""
+    return [{"capacity": capacity, "window": window, "lru": lru, "past": past,
+             "future": future, "fitted": fitted}
+            for (capacity, window), (lru, past, future, fitted) in results.items()]
 
 
 def table(results: dict[tuple[int, int], Row]) -> str:
@@ -252,26 +250,3 @@ def table(results: dict[tuple[int, int], Row]) -> str:
 
 def _x(ratio: float, lru: float) -> str:
     return f"{ratio / lru:6.2f}" if lru else f"{'-':>6s}"
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("trace", nargs="?", type=Path, default=BUNDLED_TRACE)
-    ap.add_argument("--capacity", type=int_list, default="1000,4000",
-                    help="cache sizes in blocks")
-    ap.add_argument("--windows", type=int_list, default="100,1000,4000",
-                    help="window lengths in requests")
-    ap.add_argument("--gpu-blocks", type=positive_int, default=None,
-                    help="rank what kvtier is asked behind an engine cache of N blocks")
-    ap.add_argument("--no-progress", action="store_true")
-    args = ap.parse_args(argv)
-    try:
-        requests = asked_streams(args.trace, args.gpu_blocks or 0)
-    except (OSError, ValueError) as exc:  # no trace, a bad one, or a request the engine cannot hold
-        ap.error(str(exc))
-    print(table(run(requests, args.capacity, args.windows, not args.no_progress)))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,83 @@
+"""A cache over a trace's hash ids with the replay's rules, and the prefix-hit
+ratio of a trace served by one: the base of ``kvtier foresight``
+(``kvtier.replay.foresight``) and of the reference policy families in
+``benchmarks/reference_policies.py``.
+
+The rules are those of ``kvtier.replay.driver``: requests run in file order;
+a request's prefix hit is the leading run of its resident blocks; its missing
+blocks are stored as far as the cache admits them (a declined block declines
+the rest of the offer, as kvtier's admission does), evicting blocks of other
+requests only; then its blocks are used head to tail, so its head ends most
+recent. ``LRUCache`` equals ``kvtier replay --policy lru`` block for block
+(tests/test_foresight.py checks it).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Protocol
+
+Requests = Sequence[Sequence[int]]
+
+
+class LRUCache:
+    """LRU over hash ids with the replay's order of events; subclasses decide
+    which missing blocks to store (``admitted``) and may keep more state
+    (``used``). Invariant: at most ``capacity`` resident blocks."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.order: OrderedDict[int, None] = OrderedDict()  # least recent first
+
+    def __contains__(self, block: int) -> bool:
+        return block in self.order
+
+    def admitted(self, missing: list[int], room: int) -> int:
+        """How many leading blocks of ``missing`` to store (``room`` fit without eviction)."""
+        return len(missing)
+
+    def used(self, ids: Sequence[int]) -> None:
+        """The request's blocks were used (after its stores)."""
+
+    def serve(self, ids: Sequence[int]) -> None:
+        """Store the request's missing blocks, then use all of them head to tail."""
+        order = self.order
+        missing = [h for h in ids if h not in order]
+        if missing:
+            room = self.capacity - len(order)
+            missing = missing[:min(self.admitted(missing, room), self.capacity)]
+            over = len(order) + len(missing) - self.capacity
+            if over > 0:
+                protected = set(ids)
+                victims = [h for h in order if h not in protected][:over]
+                for h in victims:
+                    del order[h]
+                missing = missing[:self.capacity - len(order)]
+            for h in missing:
+                order[h] = None
+        for h in reversed(ids):
+            if h in order:
+                order.move_to_end(h)
+        self.used(ids)
+
+
+class Cache(Protocol):
+    """What ``prefix_hit_ratio`` needs of a cache."""
+
+    def __contains__(self, block: int) -> bool: ...
+
+    def serve(self, ids: Sequence[int]) -> None: ...
+
+
+def prefix_hit_ratio(requests: Requests, cache: Cache) -> float:
+    """Prefix-hit blocks over offered blocks of ``requests`` served by ``cache``."""
+    hits = offered = 0
+    for ids in requests:
+        for h in ids:
+            if h not in cache:
+                break
+            hits += 1
+        offered += len(ids)
+        cache.serve(ids)
+    return hits / offered if offered else 0.0
