@@ -94,9 +94,11 @@ def test_foresight_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     trace = _write(shared_head_between_one_offs(), tmp_path / "t.jsonl")
     assert main(["foresight", str(trace), "--capacity", "4", "--windows", "1,3",
                  "--no-progress"]) == 0
-    rows = [line.split() for line in capsys.readouterr().out.splitlines()[1:]]
+    out = capsys.readouterr().out.splitlines()
+    rows = [line.split() for line in out[1:3]]
     assert [(r[0], r[1]) for r in rows] == [("4", "1"), ("4", "3")]
     assert float(rows[0][3]) == 0.0 and float(rows[1][3]) > 0.25
+    assert out[3].startswith("4 blocks: LRU 0.0000") and "past predicts" in out[3]
     assert main(["foresight", str(trace), "--capacity", "4", "--windows", "3", "--json",
                  "--no-progress"]) == 0
     [row] = json.loads(capsys.readouterr().out)
@@ -132,3 +134,17 @@ def test_foresight_command_names_a_missing_or_bad_trace(
     bad.write_text("{not json\n")
     assert main(["foresight", str(bad), "--no-progress"]) == 2
     assert "malformed trace" in capsys.readouterr().err
+
+
+def test_readings_say_which_ranking_gains() -> None:
+    # (capacity, window) -> (LRU, past, future, fitted)
+    results = {(100, 10): (0.10, 0.13, 0.30, 0.11),  # history gains (past 1.3 x)
+               (100, 50): (0.10, 0.10, 0.20, 0.10),
+               (200, 10): (0.20, 0.21, 0.40, 0.20),  # only foresight gains
+               (400, 10): (0.40, 0.41, 0.42, 0.40),  # nothing gains
+               (800, 10): (0.0, 0.0, 0.0, 0.0)}      # an empty cache finds nothing at all
+    lines = fs.readings(results)
+    assert [line.split(" ")[0] for line in lines] == ["100", "200", "400", "800"]
+    assert "past predicts" in lines[0] and "(1.30 x)" in lines[0]
+    assert "does not say when it comes back" in lines[1]
+    assert "no ranking gains" in lines[2] and "no ranking gains" in lines[3]

@@ -118,6 +118,11 @@ class RunResult:
     """The adaptive policy's admission gauge at the end of the run (1: on)."""
     policy_switches: float = 0.0
     """Configuration changes of the adaptive policy during the run."""
+    dropped_writes: float = 0.0
+    """Blocks whose write to a tier below the CPU tier was dropped (write queue
+    full, tier down): a later request cannot find them there."""
+    promotions_deferred: float = 0.0
+    """Lower-tier hits not promoted because the read queue was full (misses)."""
 
     @property
     def key(self) -> tuple[str, str, str, int, int]:
@@ -273,7 +278,9 @@ def _result(config: str, scenario: Scenario, repeat: int, client: dict[str, Any]
         seconds=seconds,
         stores_skipped=prom.value(samples, "vllm:kvtier_stores_skipped_total"),
         policy_admission=prom.value(samples, "vllm:kvtier_policy_admission"),
-        policy_switches=prom.value(samples, "vllm:kvtier_policy_switches_total"))
+        policy_switches=prom.value(samples, "vllm:kvtier_policy_switches_total"),
+        dropped_writes=prom.value(samples, "vllm:kvtier_dropped_writes_total"),
+        promotions_deferred=prom.value(samples, "vllm:kvtier_promotions_deferred_total"))
 
 
 # -- the plan --------------------------------------------------------------------
@@ -398,6 +405,8 @@ class Row:
     ttft_p99_ms: float
     hit_ratio: float
     cached_by_source: dict[str, float]
+    dropped_writes: float
+    """Median over repeats of ``RunResult.dropped_writes``."""
     throughput_vs_none: float | None
     ttft_mean_vs_none: float | None
     throughput_vs_peer: float | None
@@ -439,7 +448,7 @@ def summarize(results: Sequence[RunResult], s: BenchSettings) -> list[Row]:
                 failed=int(m["failed"]), throughput=m["throughput"],
                 ttft_mean_ms=m["ttft_mean_ms"], ttft_p50_ms=m["ttft_p50_ms"],
                 ttft_p99_ms=m["ttft_p99_ms"], hit_ratio=m["hit_ratio"],
-                cached_by_source=m["cached_by_source"],
+                cached_by_source=m["cached_by_source"], dropped_writes=m["dropped_writes"],
                 throughput_vs_none=_vs(m, base, "throughput"),
                 ttft_mean_vs_none=_vs(m, base, "ttft_mean_ms"),
                 throughput_vs_peer=_vs(m, peer, "throughput"),
@@ -456,7 +465,8 @@ def _medians(runs: Sequence[RunResult]) -> dict[str, Any]:
         return {}
     sources = sorted({k for r in runs for k in r.cached_by_source})
     out: dict[str, Any] = {name: _median([getattr(r, name) for r in runs]) for name in (
-        "throughput", "ttft_mean_ms", "ttft_p50_ms", "ttft_p99_ms", "hit_ratio")}
+        "throughput", "ttft_mean_ms", "ttft_p50_ms", "ttft_p99_ms", "hit_ratio",
+        "dropped_writes")}
     out.update(repeats=len(runs), completed=sum(r.completed for r in runs),
                failed=sum(r.failed for r in runs),
                cached_by_source={k: _median([r.cached_by_source.get(k, 0.0) for r in runs])
@@ -465,7 +475,8 @@ def _medians(runs: Sequence[RunResult]) -> dict[str, Any]:
 
 
 TABLE = ("config", "cpu", "done", "fail", "req/s", "TTFT mean", "p50", "p99", "hit",
-         "thr/none", "thr/vllm", "TTFT/vllm", "p99/vllm", "hit/vllm", "host tok", "disk tok")
+         "thr/none", "thr/vllm", "TTFT/vllm", "p99/vllm", "hit/vllm", "host tok", "disk tok",
+         "dropped")
 
 
 def table(rows: Sequence[Row]) -> Iterator[str]:
@@ -480,14 +491,15 @@ def table(rows: Sequence[Row]) -> Iterator[str]:
             yield ""
             yield f"{r.traffic} trace, {r.regime} (medians of {r.repeats} runs)"
             yield ("{:<13} {:>5} {:>5} {:>4} {:>6} {:>10} {:>8} {:>8} {:>7} {:>8} {:>8} "
-                   "{:>9} {:>8} {:>8} {:>9} {:>9}").format(*TABLE)
+                   "{:>9} {:>8} {:>8} {:>9} {:>9} {:>7}").format(*TABLE)
         src = r.cached_by_source
         yield (f"{r.config:<13} {r.cpu_blocks:>5} {r.completed:>5} {r.failed:>4} "
                f"{r.throughput:>6.2f} {r.ttft_mean_ms:>8.0f}ms {r.ttft_p50_ms:>6.0f}ms "
                f"{r.ttft_p99_ms:>6.0f}ms {r.hit_ratio:>7.4f} {ratio(r.throughput_vs_none):>8} "
                f"{ratio(r.throughput_vs_peer):>8} {ratio(r.ttft_mean_vs_peer):>9} "
                f"{ratio(r.ttft_p99_vs_peer):>8} {ratio(r.hit_vs_peer):>8} "
-               f"{src.get('host', 0):>9.0f} {src.get('disk', 0):>9.0f}")
+               f"{src.get('host', 0):>9.0f} {src.get('disk', 0):>9.0f} "
+               f"{r.dropped_writes:>7.0f}")
 
 
 def plot(rows: Sequence[Row], out: Path) -> None:

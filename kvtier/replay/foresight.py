@@ -248,5 +248,36 @@ def table(results: dict[tuple[int, int], Row]) -> str:
     return "\n".join(lines)
 
 
+GAIN = 1.2
+"""A ranking this many times LRU's hit ratio counts as a gain worth a policy
+(the bar issue 11 sets for unseen traces)."""
+
+
+def readings(results: dict[tuple[int, int], Row]) -> list[str]:
+    """One line per capacity saying what the table means there, from the best
+    window of each ranking (picked after the fact)."""
+    out = []
+    for capacity in dict.fromkeys(c for c, _ in results):
+        cells = [row for (c, _), row in results.items() if c == capacity]
+        lru = cells[0][0]
+        history = max(max(row[1], row[3]) for row in cells)
+        future = max(row[2] for row in cells)
+        if _gains(history, lru):
+            verdict = "a block's past predicts its reuse: a frequency policy can gain"
+        elif _gains(future, lru):
+            verdict = ("a block's past does not say when it comes back: expect any "
+                       "recency or frequency policy near LRU")
+        else:
+            verdict = "no ranking gains much over LRU at this size"
+        out.append(f"{capacity} blocks: LRU {lru:.4f}, best history {history:.4f} "
+                   f"({_x(history, lru).strip()} x), future {future:.4f} "
+                   f"({_x(future, lru).strip()} x): {verdict}")
+    return out
+
+
+def _gains(ratio: float, lru: float) -> bool:
+    return ratio >= GAIN * lru and ratio > 0
+
+
 def _x(ratio: float, lru: float) -> str:
     return f"{ratio / lru:6.2f}" if lru else f"{'-':>6s}"

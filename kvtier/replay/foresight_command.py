@@ -37,7 +37,7 @@ def add_foresight_parser(commands: Any) -> None:
 
 def cmd_foresight(args: argparse.Namespace) -> int:
     """Run the three rankings and LRU; print the table (or JSON)."""
-    from kvtier.replay.foresight import asked_streams, rows, run, table
+    from kvtier.replay.foresight import asked_streams, readings, rows, run, table
 
     loaded = load_requests(args.trace or BUNDLED_TRACE)
     try:
@@ -45,5 +45,9 @@ def cmd_foresight(args: argparse.Namespace) -> int:
     except ValueError as exc:  # the engine cannot hold the longest request
         raise CommandError(str(exc)) from None
     results = run(requests, args.capacity, args.windows, not args.no_progress)
-    print(json.dumps(rows(results), indent=1) if args.json else table(results))
+    if args.json:
+        print(json.dumps(rows(results), indent=1))
+        return 0
+    print(table(results))
+    print("\n".join(readings(results)))
     return 0

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 Requests = Sequence[Sequence[int]]
+"""Each request's hash ids, head first."""
 
 
 class LRUCache:
