@@ -16,7 +16,7 @@
     kvtier soak [--requests N] [--cpu-blocks N] [--disk-blocks N] [--json] [--plot OUT.png]
                 (kvtier.replay.soak)
     kvtier foresight [TRACE] [--capacity N[,N...]] [--windows W[,W...]] [--gpu-blocks N]
-                     [--json]  (kvtier.replay.foresight)
+                     [--limit-requests M] [--json]  (kvtier.replay.foresight)
 
 Errors in the input (unknown policy, missing or malformed trace) are reported
 as ``kvtier: error: ...`` with exit status 2, like argparse's own.

@@ -148,3 +148,22 @@ def test_readings_say_which_ranking_gains() -> None:
     assert "past predicts" in lines[0] and "(1.30 x)" in lines[0]
     assert "does not say when it comes back" in lines[1]
     assert "no ranking gains" in lines[2] and "no ranking gains" in lines[3]
+
+
+def test_progress_counts_every_request_once() -> None:
+    requests = chat_requests(n=250)
+    told: list[int] = []
+    ratio = prefix_hit_ratio(requests, LRUCache(40), told.append)
+    assert told == [100, 100, 50]
+    assert ratio == prefix_hit_ratio(requests, LRUCache(40))  # the callback changes nothing
+
+
+def test_limit_requests_ranks_only_the_first_ones(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    requests = chat_requests(n=300)
+    trace = _write(requests, tmp_path / "chat.jsonl")
+    assert main(["foresight", str(trace), "--capacity", "32", "--windows", "20",
+                 "--limit-requests", "120", "--json", "--no-progress"]) == 0
+    [row] = json.loads(capsys.readouterr().out)
+    assert row["lru"] == prefix_hit_ratio(requests[:120], LRUCache(32))
+    assert row["lru"] != prefix_hit_ratio(requests, LRUCache(32))

@@ -193,13 +193,13 @@ def run(requests: Requests, capacities: list[int], windows: list[int],
     """(capacity, window) -> the hit ratio of each ranking (``Row``)."""
     uses = use_times(requests)
     tables = {window: reuse_table(uses, window) for window in windows}
-    bar = make_progress(len(capacities) * (1 + 3 * len(windows)), progress, unit="run")
+    runs = len(capacities) * (1 + 3 * len(windows))
+    bar = make_progress(runs * len(requests), progress, unit="req")
     out: dict[tuple[int, int], Row] = {}
     try:
         for capacity in capacities:
             bar.describe(f"lru @ {capacity}")
-            lru = prefix_hit_ratio(requests, LRUCache(capacity))
-            bar.update(1)
+            lru = prefix_hit_ratio(requests, LRUCache(capacity), bar.update)
             for window in windows:
                 caches: dict[str, RankedCache] = {
                     "past": WindowLFU(capacity, window, uses, future=False),
@@ -208,8 +208,7 @@ def run(requests: Requests, capacities: list[int], windows: list[int],
                 ratios = []
                 for name, cache in caches.items():
                     bar.describe(f"{name} {window} @ {capacity}")
-                    ratios.append(prefix_hit_ratio(requests, cache))
-                    bar.update(1)
+                    ratios.append(prefix_hit_ratio(requests, cache, bar.update))
                 out[capacity, window] = (lru, ratios[0], ratios[1], ratios[2])
     finally:
         bar.close()

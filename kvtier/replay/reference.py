@@ -15,8 +15,11 @@ recent. ``LRUCache`` equals ``kvtier replay --policy lru`` block for block
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
+
+PROGRESS_EVERY = 100
+"""Requests between two calls of ``prefix_hit_ratio``'s progress callback."""
 
 Requests = Sequence[Sequence[int]]
 """Each request's hash ids, head first."""
@@ -71,14 +74,21 @@ class Cache(Protocol):
     def serve(self, ids: Sequence[int]) -> None: ...
 
 
-def prefix_hit_ratio(requests: Requests, cache: Cache) -> float:
-    """Prefix-hit blocks over offered blocks of ``requests`` served by ``cache``."""
+def prefix_hit_ratio(requests: Requests, cache: Cache,
+                     progress: Callable[[int], None] | None = None) -> float:
+    """Prefix-hit blocks over offered blocks of ``requests`` served by ``cache``;
+    ``progress(n)`` is told of every ``PROGRESS_EVERY`` requests served, and
+    of the rest at the end."""
     hits = offered = 0
-    for ids in requests:
+    for i, ids in enumerate(requests, 1):
         for h in ids:
             if h not in cache:
                 break
             hits += 1
         offered += len(ids)
         cache.serve(ids)
+        if progress is not None and i % PROGRESS_EVERY == 0:
+            progress(PROGRESS_EVERY)
+    if progress is not None and len(requests) % PROGRESS_EVERY:
+        progress(len(requests) % PROGRESS_EVERY)
     return hits / offered if offered else 0.0
