@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import itertools
 
+from kvtier.keys import check_keys
+
 MAX_ACCESS_LISTS = 64
 """Key lists a context logs before merging them (bounds retries and re-offers)."""
 
@@ -90,11 +92,16 @@ class RequestContext:
         self.positions[key] = end_token
 
     def set_positions(self, keys: list[bytes], first_end: int, step: int) -> None:
-        """Record positions ``first_end, first_end + step, ...`` for consecutive keys."""
-        if step <= 0 or first_end < 0:
-            raise ValueError(f"need first_end >= 0 and step > 0, got {first_end}, {step}")
-        for i, key in enumerate(keys):
-            self.set_position(key, first_end + i * step)
+        """Record positions ``first_end, first_end + step, ...`` for consecutive keys
+        (``TypeError`` naming the first key that is not bytes; nothing is recorded then)."""
+        if (isinstance(first_end, bool) or isinstance(step, bool)
+                or not isinstance(first_end, int) or not isinstance(step, int)
+                or step <= 0 or first_end < 0):
+            raise ValueError(f"need int first_end >= 0 and step > 0, got {first_end!r}, "
+                             f"{step!r}")
+        keys = check_keys(keys)
+        ends = range(first_end, first_end + step * len(keys), step)
+        self.positions.update(zip(keys, ends, strict=True))
 
     def log_access(self, keys: list[bytes]) -> None:
         """Remember that the request used ``keys`` (a list the caller will not change)."""

@@ -57,6 +57,18 @@ def test_set_position_rejects_bad_key_and_position() -> None:
             ctx.set_position(A, bad)  # type: ignore[arg-type]
 
 
+def test_set_positions_rejects_bad_input_and_records_nothing() -> None:
+    ctx = RequestContext("r")
+    with pytest.raises(TypeError, match="str"):
+        ctx.set_positions([A, "k"], 16, 16)  # type: ignore[list-item]
+    assert ctx.positions == {}  # not even the good key before the bad one
+    for first_end, step in ((-1, 16), (16, 0), (True, 16), (16, 1.5)):
+        with pytest.raises(ValueError):
+            ctx.set_positions([A], first_end, step)  # type: ignore[arg-type]
+    ctx.set_positions([A, b"b" * 12], 16, 32)
+    assert ctx.positions == {A: 16, b"b" * 12: 48}
+
+
 def test_block_key_rejects_bad_input() -> None:
     with pytest.raises(TypeError):
         kvtier.block_key("abc")  # type: ignore[arg-type]
