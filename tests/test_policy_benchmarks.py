@@ -1,6 +1,6 @@
 """The policy benchmarks run and say what they claim (benchmarks/admission_oracles.py,
 bench_policy_cost.py, bench_adaptive_parts.py, count_policy_instructions.py,
-policy_variants.py, reference_policies.py)."""
+policy_variants.py, reference_policies.py, group_gaps.py)."""
 
 from __future__ import annotations
 
@@ -222,3 +222,26 @@ def test_reference_command_names_a_missing_trace(
     with pytest.raises(SystemExit):
         ref.main([str(tmp_path / "nowhere.jsonl"), "--no-progress"])
     assert "trace file not found" in capsys.readouterr().err
+
+
+def test_group_gaps_counts_returns_and_gap_runs(tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    gg = _load("group_gaps")
+    # group 0 at requests 0, 1, 2, 10 (gaps 1, 1, 8); group 5 at 3, 4 (gap 1); 7 and 9 once
+    requests = [(0, 1), (0, 1, 2), (0, 1, 2, 3), (5,), (5, 6), (7,), (9,), (8,), (8,), (8,),
+                (0, 1, 2, 3, 4)]
+    members = gg.groups(requests)
+    assert members == [[0, 1, 2, 10], [3, 4], [5], [6], [7, 8, 9]]
+    assert gg.returns(members, 1) == pytest.approx(3 / 5)  # 0, 5 and 8 come back
+    assert gg.returns(members, 2) == pytest.approx(2 / 3)  # 0 and 8 a third time
+    # group 0: 1 -> 1 (short after short), 1 -> 8 (long after short); group 8: 1 -> 1
+    assert gg.short_after(members, 2) == (pytest.approx(2 / 3), 0.0)
+    assert gg.block_gaps([(1, 2), (1,), (3,), (1, 2)]) == [1, 2, 3]
+    trace = tmp_path / "t.jsonl"
+    write_trace([TraceRequest(i, 512 * len(ids), 1, ids) for i, ids in enumerate(requests)],
+                trace)
+    assert gg.main([str(trace), "--short", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "11 requests, 5 groups, 2 with one request" in out
+    with pytest.raises(SystemExit):
+        gg.main([str(tmp_path / "nowhere.jsonl")])
