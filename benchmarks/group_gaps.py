@@ -25,6 +25,7 @@ from itertools import pairwise
 from pathlib import Path
 
 from kvtier.argtypes import positive_int
+from kvtier.replay.foresight import use_times
 from kvtier.replay.reference import Requests
 from kvtier.replay.trace import BUNDLED_TRACE, load_trace
 
@@ -46,14 +47,7 @@ def returns(members: Sequence[Sequence[int]], k: int) -> float:
 
 def block_gaps(requests: Requests) -> list[int]:
     """Requests between two consecutive uses of a block, every reuse, sorted."""
-    last: dict[int, int] = {}
-    gaps = []
-    for i, ids in enumerate(requests):
-        for h in dict.fromkeys(ids):
-            if h in last:
-                gaps.append(i - last[h])
-            last[h] = i
-    return sorted(gaps)
+    return sorted(b - a for uses in use_times(requests).values() for a, b in pairwise(uses))
 
 
 def short_after(members: Sequence[Sequence[int]], short: int) -> tuple[float, float]:

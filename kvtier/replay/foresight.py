@@ -23,7 +23,7 @@ Where ``past`` and ``fitted`` stay near LRU while ``future`` is far above
 it, a block's uses so far do not tell how soon it comes back, and no
 policy that reads only per-block history can get much of what OPT gets.
 
-``asked_streams(trace, N)`` gives what kvtier is asked about behind an
+``asked_streams(requests, N)`` gives what kvtier is asked about behind an
 ``N``-block engine prefix cache (``kvtier.replay.behind_engine``: each
 request's blocks past its engine hit, the stream whose OPT ``kvtier replay
 --gpu-blocks N --bounds`` reports), not the whole trace.
