@@ -167,3 +167,14 @@ def test_limit_requests_ranks_only_the_first_ones(
     [row] = json.loads(capsys.readouterr().out)
     assert row["lru"] == prefix_hit_ratio(requests[:120], LRUCache(32))
     assert row["lru"] != prefix_hit_ratio(requests, LRUCache(32))
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, True, "8"])
+def test_caches_name_a_bad_capacity_or_window(bad: object) -> None:
+    uses = fs.use_times(shared_head_between_one_offs())
+    with pytest.raises(ValueError, match="capacity"):
+        LRUCache(bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="capacity"):
+        fs.FittedRanking(bad, uses, {})  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="window"):
+        fs.WindowLFU(4, bad, uses, future=False)  # type: ignore[arg-type]

@@ -43,7 +43,7 @@ from collections.abc import Sequence
 
 from kvtier.progress import make_progress
 from kvtier.replay.behind_engine import check_fits, engine_miss_streams, served_requests
-from kvtier.replay.reference import LRUCache, Requests, prefix_hit_ratio
+from kvtier.replay.reference import LRUCache, Requests, check_capacity, prefix_hit_ratio
 from kvtier.replay.trace import TraceRequest
 
 
@@ -68,9 +68,7 @@ class RankedCache:
     """
 
     def __init__(self, capacity: int, uses: dict[int, list[int]]) -> None:
-        if capacity < 1:
-            raise ValueError(f"capacity must be >= 1, got {capacity}")
-        self.capacity = capacity
+        self.capacity = check_capacity(capacity)
         self.uses = uses
         self.request = 0
         self.clock = 0
@@ -119,8 +117,8 @@ class WindowLFU(RankedCache):
 
     def __init__(self, capacity: int, window: int, uses: dict[int, list[int]],
                  future: bool) -> None:
-        if window < 1:
-            raise ValueError(f"window must be >= 1, got {window}")
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"window must be an int >= 1, got {window!r}")
         super().__init__(capacity, uses)
         self.window = window
         self.future = future

@@ -25,13 +25,20 @@ Requests = Sequence[Sequence[int]]
 """Each request's hash ids, head first."""
 
 
+def check_capacity(capacity: object) -> int:
+    """``capacity`` if it is an int >= 1; ``ValueError`` naming it otherwise."""
+    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+        raise ValueError(f"capacity must be an int >= 1, got {capacity!r}")
+    return capacity
+
+
 class LRUCache:
     """LRU over hash ids with the replay's order of events; subclasses decide
     which missing blocks to store (``admitted``) and may keep more state
     (``used``). Invariant: at most ``capacity`` resident blocks."""
 
     def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
+        self.capacity = check_capacity(capacity)
         self.order: OrderedDict[int, None] = OrderedDict()  # least recent first
 
     def __contains__(self, block: int) -> bool:
