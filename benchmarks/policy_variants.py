@@ -2,9 +2,13 @@
 any of them would do better than the adaptive choice (docs/policy.md, "Where
 it falls short").
 
-Each class is ``AdaptivePolicy`` held in one configuration, with its shadows
-off: a history length with or without admission, and optionally the window
-share or the LFU share pinned, or admission that needs two earlier uses.
+Each class of ``VARIANTS`` is ``AdaptivePolicy`` held in one configuration,
+with its shadows off: a history length with or without admission, and
+optionally the window share or the LFU share pinned, or admission that needs
+two earlier uses. ``STARTS`` are ``AdaptivePolicy`` with its shadows on that
+begin otherwise: with admission on, or taking the best shadow's
+configuration without hysteresis once the cache is first full
+(docs/policy.md, "How it starts").
 
     PYTHONPATH=benchmarks kvtier replay --capacity 4000 \\
         --policy lru,default,policy_variants:Admit8,policy_variants:Window1 TRACE
@@ -128,3 +132,37 @@ class TwoUses32(TwoUses):
 VARIANTS = (Plain8, Plain8Window50, Admit8, Admit16, Admit32, Window1, Window25, Window50,
             ByFrequency, ByRecency, TwoUses, TwoUses32)
 """Every variant, for ``--policy`` lists: ``policy_variants:NAME`` each."""
+
+
+class StartAdmit(AdaptivePolicy):
+    """The default policy starting with admission over 8 x capacity of history
+    instead of PLFU's configuration."""
+
+    name = "start-admit8"
+    START = (8, True)
+
+
+class FirstFree(AdaptivePolicy):
+    """The default policy whose first decision after the cache is full takes the
+    best shadow even without a lead beyond noise (``Z`` = 0 once)."""
+
+    name = "first-free"
+
+    def _init_adaptive(self) -> None:
+        super()._init_adaptive()
+        self._first_done = False
+
+    def _decide(self) -> None:
+        if self._first_done or len(self) < self.capacity:
+            super()._decide()
+            return
+        self._first_done = True
+        self.Z = 0.0  # this decision only: the instance attribute hides the class's
+        try:
+            super()._decide()
+        finally:
+            del self.Z
+
+
+STARTS = (StartAdmit, FirstFree)
+"""The variants of how the default begins: ``policy_variants:NAME`` each."""

@@ -18,6 +18,7 @@ from helpers.hash_id_traces import chat_requests, shared_head_between_one_offs
 from helpers.policy_contract import exercise, random_ops
 
 from kvtier import block_key
+from kvtier.policies.adaptive import AdaptivePolicy
 from kvtier.replay.driver import replay
 from kvtier.replay.generate import write_trace
 from kvtier.replay.trace import TraceRequest
@@ -168,6 +169,41 @@ def test_a_variant_replays_by_module_path(monkeypatch: pytest.MonkeyPatch) -> No
     two = replay(requests, 8, "policy_variants:TwoUses")
     # a tail's second offer: the history knows one use, which Admit8 needs and TwoUses not
     assert one.stores_skipped > 0 and two.stores < one.stores
+
+
+@pytest.mark.parametrize("index", range(2))
+def test_each_start_variant_keeps_the_contract(index: int) -> None:
+    pol = _load("policy_variants").STARTS[index](24)
+    exercise(pol, random_ops(random.Random(index), 600), random.Random(index))
+
+
+def test_start_variants_begin_as_they_say() -> None:
+    variants = _load("policy_variants")
+    assert variants.StartAdmit(64).configuration() == (8, True)
+    pol = variants.FirstFree(64)
+    assert pol.configuration() == pol.START == (8, False)
+    shadows = pol.shadows
+    best = max(range(len(shadows)), key=lambda i: (shadows[i].admission, i))
+    for i, s in enumerate(shadows):  # a lead of one hit: far inside the noise
+        s.hits, s.spread = (1, 100.0) if i == best else (0, 100.0)
+    pol._decide()  # the cache is not full yet: hysteresis as usual
+    assert pol.configuration() == (8, False) and not pol._first_done
+    pol.insert([block_key(i) for i in range(64)])
+    for i, s in enumerate(shadows):
+        s.hits, s.spread = (1, 100.0) if i == best else (0, 100.0)
+    pol._decide()  # the first decision once full follows the lead, noise or not
+    assert pol.configuration() == (shadows[best].history_factor, True)
+    assert pol.Z == type(pol).Z == 1.5  # the class's hysteresis is back
+    for i, s in enumerate(shadows):  # later: a lead inside the noise for PLFU's
+        s.hits, s.spread = (6, 100.0) if i == 0 else (0, 100.0)
+    pol._decide()
+    assert pol.configuration() == (shadows[best].history_factor, True)  # held
+    control = AdaptivePolicy(64)  # the default: the same full cache and one-hit lead
+    control.insert([block_key(i) for i in range(64)])
+    for i, s in enumerate(control.shadows):
+        s.hits, s.spread = (1, 100.0) if i == best else (0, 100.0)
+    control._decide()
+    assert control.configuration() == (8, False)
 
 
 def test_reference_admission_rules_decline_what_they_say() -> None:
