@@ -34,6 +34,18 @@ def test_unknown_configurations_name_the_problem(config: str, problem: str) -> N
         check_config(config)
 
 
+def test_a_custom_policy_configuration_must_import(tmp_path: Path) -> None:
+    custom = "kvtier.policies.lru:LRUPolicy"
+    assert check_config(custom) == custom and check_config(custom + "+disk") == custom + "+disk"
+    s = BenchSettings(model=tmp_path / "model", out=tmp_path / "out")
+    argv = server_argv(s, custom, 1 << 20, 8000, tmp_path / "disk")
+    assert argv[argv.index("--policy") + 1] == custom
+    with pytest.raises(ValueError, match="no_such_module"):
+        check_config("no_such_module:Policy")
+    with pytest.raises(ValueError, match="EvictionPolicy"):
+        check_config("kvtier.policies:POLICIES")
+
+
 def test_a_policy_configuration_starts_kvtier_serve_with_that_policy(tmp_path: Path) -> None:
     s = BenchSettings(model=tmp_path / "model", out=tmp_path / "out")
     argv = server_argv(s, "adaptive+disk", 1 << 20, 8000, tmp_path / "disk")

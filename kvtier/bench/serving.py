@@ -35,13 +35,13 @@ from typing import Any
 from kvtier.bench import prom
 from kvtier.bench.server import ServerProcess
 from kvtier.launch import vllm_command
-from kvtier.policies import POLICIES
+from kvtier.policies import POLICIES, policy_class
 
 BLOCK_TOKENS = 32
 CONFIGS = ("none", "vllm-lru", "lru", "default", "default+disk")
 """Server configurations, in the order of the table (the default set; any
-``POLICY`` or ``POLICY+disk`` of kvtier's built-in policies is accepted too,
-see ``check_config``)."""
+``POLICY`` or ``POLICY+disk`` is accepted too, a built-in policy or a custom
+``module.path:ClassName`` one, see ``check_config``)."""
 TIERS = ("disk",)
 """Tiers a configuration may add below the CPU tier (``POLICY+TIER``)."""
 PEER = "vllm-lru"
@@ -153,15 +153,23 @@ def kvtier_serve_argv(model: Path, cpu_bytes: int, kvtier_flags: Sequence[str],
 def check_config(config: str) -> str:
     """Return ``config`` if it names a configuration; else raise ``ValueError``.
 
-    ``none``, ``vllm-lru``, or a built-in kvtier policy (``default``, ``lru``,
-    ``adaptive``...) optionally followed by ``+disk``.
+    ``none``, ``vllm-lru``, or a kvtier policy optionally followed by
+    ``+disk``: a built-in one (``default``, ``lru``, ``adaptive``...) or a
+    custom ``module.path:ClassName``, which must import here (the servers
+    inherit this process's environment, ``PYTHONPATH`` included).
     """
     if config in (BASELINE, PEER):
         return config
     policy, plus, tier = config.partition("+")
-    if policy != "default" and policy not in POLICIES:
+    if ":" in policy:
+        try:
+            policy_class(policy)
+        except ValueError as exc:
+            raise ValueError(f"unknown configuration {config!r}: {exc}") from exc
+    elif policy != "default" and policy not in POLICIES:
         known = ", ".join([BASELINE, PEER, "default", *POLICIES])
-        raise ValueError(f"unknown configuration {config!r}: {policy!r} is none of {known}")
+        raise ValueError(f"unknown configuration {config!r}: {policy!r} is none of {known}, "
+                         "nor a custom policy 'module.path:ClassName'")
     if plus and tier not in TIERS:
         raise ValueError(f"unknown tier {tier!r} in configuration {config!r} "
                          f"(tiers: {', '.join(TIERS)})")
