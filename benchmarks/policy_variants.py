@@ -1,6 +1,6 @@
-"""Fixed members of the default policy's family, for replays that ask whether
-any of them would do better than the adaptive choice (docs/policy.md, "Where
-it falls short").
+"""Members of the default policy's family, held fixed or started otherwise, for
+replays that ask whether any of them would do better than the adaptive choice
+(docs/policy.md, "Where it falls short" and "How it starts").
 
 Each class of ``VARIANTS`` is ``AdaptivePolicy`` held in one configuration,
 with its shadows off: a history length with or without admission, and
