@@ -1,8 +1,16 @@
-"""Argument types shared by kvtier's command-line tools."""
+"""Argument types shared by kvtier's command-line tools, and the check of an
+int argument that library code shares."""
 
 from __future__ import annotations
 
 import argparse
+
+
+def require_positive_int(name: str, value: object) -> int:
+    """``value`` if it is an int >= 1 (bools refused); ``ValueError`` naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    return value
 
 
 def positive_int(text: str) -> int:

@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from kvtier.admission import AdmissionTracker
+from kvtier.argtypes import require_positive_int
 from kvtier.errors import MissingBlocksError, ProtocolError
 from kvtier.events import Event, EventLog
 from kvtier.history import EvictionHistory
@@ -23,12 +24,6 @@ from kvtier.results import LoadSpec, LookupResult, PrepareStoreOutput
 
 MAX_MISSING_DETAILS = 16
 """Missing keys described one by one in a ``MissingBlocksError``."""
-
-
-def _positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    return value
 
 
 class OffloadManager:
@@ -67,7 +62,7 @@ class OffloadManager:
         max_events: int = 100_000,
         max_lease_holders: int = DEFAULT_MAX_LEASE_HOLDERS,
     ) -> None:
-        self.num_blocks = _positive_int("num_blocks", num_blocks)
+        self.num_blocks = require_positive_int("num_blocks", num_blocks)
         self.policy: EvictionPolicy = make_policy(policy, num_blocks)
         self.policy_admission = True
         """Whether the policy's ``admit`` may decline new blocks (when it

@@ -41,9 +41,10 @@ from bisect import bisect_right
 from collections import defaultdict
 from collections.abc import Sequence
 
+from kvtier.argtypes import require_positive_int
 from kvtier.progress import make_progress
 from kvtier.replay.behind_engine import check_fits, engine_miss_streams, served_requests
-from kvtier.replay.reference import LRUCache, Requests, check_capacity, prefix_hit_ratio
+from kvtier.replay.reference import LRUCache, Requests, prefix_hit_ratio
 from kvtier.replay.trace import TraceRequest
 
 
@@ -68,7 +69,7 @@ class RankedCache:
     """
 
     def __init__(self, capacity: int, uses: dict[int, list[int]]) -> None:
-        self.capacity = check_capacity(capacity)
+        self.capacity = require_positive_int("capacity", capacity)
         self.uses = uses
         self.request = 0
         self.clock = 0
@@ -117,10 +118,8 @@ class WindowLFU(RankedCache):
 
     def __init__(self, capacity: int, window: int, uses: dict[int, list[int]],
                  future: bool) -> None:
-        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-            raise ValueError(f"window must be an int >= 1, got {window!r}")
         super().__init__(capacity, uses)
-        self.window = window
+        self.window = require_positive_int("window", window)
         self.future = future
 
     def score(self, block: int) -> float:

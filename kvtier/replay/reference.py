@@ -16,7 +16,10 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from itertools import islice
 from typing import Protocol
+
+from kvtier.argtypes import require_positive_int
 
 PROGRESS_EVERY = 100
 """Requests between two calls of ``prefix_hit_ratio``'s progress callback."""
@@ -25,20 +28,13 @@ Requests = Sequence[Sequence[int]]
 """Each request's hash ids, head first."""
 
 
-def check_capacity(capacity: object) -> int:
-    """``capacity`` if it is an int >= 1; ``ValueError`` naming it otherwise."""
-    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
-        raise ValueError(f"capacity must be an int >= 1, got {capacity!r}")
-    return capacity
-
-
 class LRUCache:
     """LRU over hash ids with the replay's order of events; subclasses decide
     which missing blocks to store (``admitted``) and may keep more state
     (``used``). Invariant: at most ``capacity`` resident blocks."""
 
     def __init__(self, capacity: int) -> None:
-        self.capacity = check_capacity(capacity)
+        self.capacity = require_positive_int("capacity", capacity)
         self.order: OrderedDict[int, None] = OrderedDict()  # least recent first
 
     def __contains__(self, block: int) -> bool:
@@ -61,7 +57,7 @@ class LRUCache:
             over = len(order) + len(missing) - self.capacity
             if over > 0:
                 protected = set(ids)
-                victims = [h for h in order if h not in protected][:over]
+                victims = list(islice((h for h in order if h not in protected), over))
                 for h in victims:
                     del order[h]
                 missing = missing[:self.capacity - len(order)]
