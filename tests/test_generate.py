@@ -129,3 +129,20 @@ def test_tenants_share_nothing_and_interleave() -> None:
     assert all(len({h // TENANT_ID_STRIDE for h in r.hash_ids}) == 1 for r in reqs)
     switches = sum(a != b for a, b in itertools.pairwise(owner))
     assert switches > 500  # interleaved by arrival time, not one tenant after another
+
+
+def test_drift_moves_the_popular_documents() -> None:
+    """The ranking turns: the documents most used early on are cold later, and
+    the ones most used late were cold early."""
+    from collections import Counter
+
+    reqs = generate("drift", seed=0, requests=3000)
+    first = Counter(r.hash_ids[0] for r in reqs[:600])
+    last = Counter(r.hash_ids[0] for r in reqs[-600:])
+    early_top = [doc for doc, _ in first.most_common(5)]
+    late_top = [doc for doc, _ in last.most_common(5)]
+    assert not set(early_top) & set(late_top)
+    assert sum(last[doc] for doc in early_top) < sum(first[doc] for doc in early_top) / 4
+    assert sum(first[doc] for doc in late_top) < sum(last[doc] for doc in late_top) / 4
+    uses = Counter(h for r in reqs for h in r.hash_ids)
+    assert all(uses[r.hash_ids[-1]] == 1 for r in reqs)  # each question is one-off

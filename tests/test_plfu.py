@@ -124,6 +124,18 @@ def test_seen_before_block_goes_to_main_when_stored_again() -> None:
     assert pol.target == target + 1  # a window ghost came back: the window may keep more
 
 
+def test_window_target_stops_at_max_window() -> None:
+    """Window ghosts that keep coming back raise the target to half the cache, no further."""
+    pol = PLFUPolicy(8)
+    for round_ in range(6):
+        old = ks(range(100 * round_, 100 * round_ + 8))
+        _request(pol, old)
+        _request(pol, ks(range(100 * round_ + 50, 100 * round_ + 58)))  # evicts them
+        for key in old:
+            _request(pol, [key])  # each comes back from the window's ghosts
+    assert pol.target == 8 * PLFUPolicy.MAX_WINDOW
+
+
 def test_main_ghost_lowers_target_and_teaches_share() -> None:
     pol = PLFUPolicy(4)
     pol.target = 3.0

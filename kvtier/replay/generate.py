@@ -28,6 +28,10 @@ Kinds (``KINDS``):
 * ``tenants`` -- a multi-tenant mixture: chat, rag, agent and shared tenants
   of different rates interleaved by arrival time, no content shared across
   tenants.
+* ``drift`` -- popularity drift: one document of Zipf popularity and a
+  one-off question per request, where the ranking moves one place every few
+  requests, so each document climbs from cold to the top and then drops to
+  the bottom at once (yesterday's news): counts lag what is popular now.
 
 ``generate(kind, seed, requests)`` is deterministic in its arguments.
 """
@@ -257,6 +261,24 @@ def _tenants(b: _Builder, n: int) -> None:
     b.requests.extend(merged[: n - len(b.requests)])
 
 
+DRIFT_DOCUMENTS = 2000
+DRIFT_REQUESTS_PER_PLACE = 3
+"""The drift corpus: 2,000 documents of 4-30 blocks; the popularity ranking
+moves one place every 3 requests (a full turn every 6,000 requests)."""
+
+
+def _drift(b: _Builder, n: int) -> None:
+    """A document drawn from a Zipf ranking that rotates over time, plus a one-off question."""
+    rng, prefixes = b.rng, b.prefixes
+    docs = [prefixes.fresh(rng.randint(4, 30)) for _ in range(DRIFT_DOCUMENTS)]
+    pick = _Zipf(rng, len(docs), 0.9)
+    i = 0
+    while len(b.requests) < n:
+        doc = (pick.draw() + i // DRIFT_REQUESTS_PER_PLACE) % len(docs)
+        b.add(docs[doc] + prefixes.fresh(rng.randint(1, 4)), _output_tokens(rng))
+        i += 1
+
+
 KINDS: dict[str, Callable[[_Builder, int], None]] = {
     "chat": _chat,
     "shared": _shared,
@@ -266,6 +288,7 @@ KINDS: dict[str, Callable[[_Builder, int], None]] = {
     "loop": _loop,
     "phase": _phase,
     "tenants": _tenants,
+    "drift": _drift,
 }
 """Workload generators by name."""
 
