@@ -262,6 +262,7 @@ def _tenants(b: _Builder, n: int) -> None:
 
 
 DRIFT_DOCUMENTS = 2000
+DRIFT_DOC_BLOCKS = (4, 30)
 DRIFT_REQUESTS_PER_PLACE = 3
 """The drift corpus: 2,000 documents of 4-30 blocks; the popularity ranking
 moves one place every 3 requests (a full turn every 6,000 requests)."""
@@ -270,7 +271,7 @@ moves one place every 3 requests (a full turn every 6,000 requests)."""
 def _drift(b: _Builder, n: int) -> None:
     """A document drawn from a Zipf ranking that rotates over time, plus a one-off question."""
     rng, prefixes = b.rng, b.prefixes
-    docs = [prefixes.fresh(rng.randint(4, 30)) for _ in range(DRIFT_DOCUMENTS)]
+    docs = [prefixes.fresh(rng.randint(*DRIFT_DOC_BLOCKS)) for _ in range(DRIFT_DOCUMENTS)]
     pick = _Zipf(rng, len(docs), 0.9)
     i = 0
     while len(b.requests) < n:
