@@ -15,12 +15,21 @@ def require_positive_int(name: str, value: object) -> int:
 
 def positive_int(text: str) -> int:
     """Parse an int >= 1 (an argparse ``type``)."""
+    return _int_at_least(text, 1)
+
+
+def non_negative_int(text: str) -> int:
+    """Parse an int >= 0 (an argparse ``type``)."""
+    return _int_at_least(text, 0)
+
+
+def _int_at_least(text: str, low: int) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    if value < low:
+        raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
     return value
 
 

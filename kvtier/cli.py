@@ -7,6 +7,7 @@
                   [--preempt P] [--seed N] [--disk-blocks N]
                   [--disk-store-threshold K[,K...]] [--disk-write-policy store|evict[,...]]
                   [--limit-requests M] [--gpu-blocks N] [--gpu-batch-tokens N]
+                  [--key-seed S]
     kvtier generate KIND [--seed N] [--requests M] -o OUT.jsonl
     kvtier demo [--conversations N] [--turns N] [--repeats N] [--cpu-bytes B]
                 [--model-dir DIR] [--json]
@@ -33,7 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvtier import __version__
-from kvtier.argtypes import positive_int
+from kvtier.argtypes import non_negative_int, positive_int
 from kvtier.demo import chat as demo_chat
 from kvtier.errors import PROG, CommandError, ProtocolError
 from kvtier.policies import policy_class
@@ -41,6 +42,7 @@ from kvtier.progress import Progress, make_progress
 from kvtier.replay.driver import BOUNDS, ReplayResult, bound_results, replay, trace_keys
 from kvtier.replay.engine import EngineConfig, replay_engine
 from kvtier.replay.generate import KINDS, generate, write_trace
+from kvtier.replay.rekey import rekeyed
 from kvtier.replay.trace import BUNDLED_TRACE, TraceFormatError, TraceRequest, load_trace
 
 if TYPE_CHECKING:
@@ -160,6 +162,11 @@ def _add_replay(commands: Any) -> None:
                    "store (default), 'evict' writes them when the CPU tier evicts them")
     p.add_argument("--limit-requests", type=positive_int, default=None, metavar="M",
                    help="replay only the first M requests of the trace")
+    p.add_argument("--key-seed", type=non_negative_int, default=0, metavar="S",
+                   help="replay the trace under other block hashes (default 0: its own): "
+                   "the default policy's shadow caches sample blocks by their hash, as a "
+                   "server's do under vLLM's per-process hash seed, so each S >= 1 is "
+                   "another draw of that sample (kvtier.replay.rekey)")
     p.add_argument("--gpu-blocks", type=positive_int, default=None, metavar="N",
                    help="put a model of vLLM's own prefix cache of N engine blocks (its "
                    "--num-gpu-blocks-override, one is vLLM's null block) in front of kvtier, "
@@ -395,7 +402,10 @@ def cmd_replay(args: argparse.Namespace) -> int:
     if args.gpu_batch_tokens is not None and args.gpu_blocks is None:
         raise CommandError("--gpu-batch-tokens needs --gpu-blocks")
     path: Path = args.trace if args.trace is not None else BUNDLED_TRACE
-    trace = load_requests(path)[: args.limit_requests]
+    try:
+        trace = rekeyed(load_requests(path)[: args.limit_requests], args.key_seed)
+    except ValueError as exc:
+        raise CommandError(f"--key-seed: {exc}") from None
     keys = trace_keys(trace)
     policies = [p for p in args.policy if p not in BOUNDS]
     served = _check_gpu_blocks(args, trace) if args.gpu_blocks is not None else None
