@@ -2,7 +2,7 @@
 
 The default policy's shadow caches follow the keys whose CRC-32 falls in a
 slice of the hash space, so under other block hashes they see other blocks
-(``kvtier.replay.rekey``; a server draws new hashes on each start). This
+(``kvtier.replay.rekey``; in a server, vLLM's block hashes make the draw). This
 replays the trace under key seeds 0..N-1 (seed 0: the trace's own ids; each
 one is ``kvtier replay --key-seed S``) and reports, for each policy and
 capacity, its hit ratio over LRU's in the same seed: the median, the lowest

@@ -164,9 +164,9 @@ def _add_replay(commands: Any) -> None:
                    help="replay only the first M requests of the trace")
     p.add_argument("--key-seed", type=non_negative_int, default=0, metavar="S",
                    help="replay the trace under other block hashes (default 0: its own): "
-                   "the default policy's shadow caches sample blocks by their hash, as a "
-                   "server's do under vLLM's per-process hash seed, so each S >= 1 is "
-                   "another draw of that sample (kvtier.replay.rekey)")
+                   "the default policy's shadow caches sample blocks by their hash, so "
+                   "each S >= 1 is another draw of that sample, as another deployment's "
+                   "block hashes are (kvtier.replay.rekey)")
     p.add_argument("--gpu-blocks", type=positive_int, default=None, metavar="N",
                    help="put a model of vLLM's own prefix cache of N engine blocks (its "
                    "--num-gpu-blocks-override, one is vLLM's null block) in front of kvtier, "

@@ -4,10 +4,13 @@ A trace's hash ids only say which blocks are equal; the bytes a key gets from
 them are an accident of the trace's numbering. A policy that samples keys by
 their bytes (the default's shadow caches, ``kvtier.policies.adaptive``, keep
 the keys whose CRC-32 falls in a slice of the hash space) sees another sample
-of the blocks under other bytes, as a server does on each start: vLLM seeds
-its block hashes at random per process unless ``PYTHONHASHSEED`` is set. One
-replay is one draw of that sample; replays under several seeds show how much
-of a figure is the draw. Policies that never read key bytes (LRU, ARC) give
+of the blocks under other bytes. In a server the bytes are vLLM's block
+hashes, which follow the tokens, the hash algorithm and its seed
+(``prefix_caching_hash_algo``; sha256, the default, has a fixed seed, the
+non-cryptographic ones a random one per process unless ``PYTHONHASHSEED``
+is set), so each deployment and workload is one draw as well. One replay is
+one draw of that sample; replays under several seeds show how much of a
+figure is the draw. Policies that never read key bytes (LRU, ARC) give
 the same figures under every seed.
 
 Seed 0 keeps the trace's own ids. Seed S >= 1 maps each id through a keyed
