@@ -54,6 +54,13 @@ def test_bad_seed_is_refused(requests: list[TraceRequest], seed: object) -> None
         rekeyed(requests, seed)  # type: ignore[arg-type]
 
 
+def test_requests_must_be_trace_requests() -> None:
+    with pytest.raises(TypeError, match=r"rekeyed takes TraceRequests.*got dict"):
+        rekeyed([{"hash_ids": [1, 2]}], 3)  # type: ignore[list-item]
+    with pytest.raises(TypeError, match="got dict"):
+        rekeyed([{"hash_ids": [1, 2]}], 0)  # type: ignore[list-item]
+
+
 def test_two_ids_on_one_new_id_raise_rather_than_merge_blocks(
         monkeypatch: pytest.MonkeyPatch, requests: list[TraceRequest]) -> None:
     # a 64-bit collision cannot be produced on demand: stand one in

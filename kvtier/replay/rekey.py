@@ -39,6 +39,10 @@ def rekeyed(requests: Sequence[TraceRequest], seed: int) -> list[TraceRequest]:
     """
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 1 << 64:
         raise ValueError(f"key seed must be an int in [0, 2**64), got {seed!r}")
+    bad = next((r for r in requests if not isinstance(r, TraceRequest)), None)
+    if bad is not None:
+        raise TypeError(f"rekeyed takes TraceRequests (kvtier.replay.trace), "
+                        f"got {type(bad).__name__}")
     if seed == 0:
         return list(requests)
     key = seed.to_bytes(_ID_BYTES, "big")
