@@ -20,7 +20,7 @@ import argparse
 import json
 import statistics
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from kvtier.argtypes import positive_int
@@ -34,13 +34,22 @@ from kvtier.replay.trace import BUNDLED_TRACE, TraceFormatError, TraceRequest, l
 BASELINE = "lru"
 
 
+def replayer(trace: Sequence[TraceRequest],
+             gpu_blocks: int | None) -> Callable[[int, str], float]:
+    """``(capacity, policy) -> hit ratio`` of replays of ``trace`` (the CPU tier's
+    behind an engine of ``gpu_blocks``); the trace's keys are built once."""
+    if gpu_blocks is None:
+        keys = trace_keys(trace)
+        return lambda capacity, policy: replay(keys, capacity, policy).hit_ratio
+    served = served_requests(trace)
+    return lambda capacity, policy: replay_behind_engine(
+        served, capacity, policy, gpu_blocks=gpu_blocks).hit_ratio
+
+
 def hit_ratio(trace: Sequence[TraceRequest], capacity: int, policy: str,
               gpu_blocks: int | None) -> float:
-    """The replay's hit ratio (the CPU tier's behind an engine of ``gpu_blocks``)."""
-    if gpu_blocks is None:
-        return replay(trace_keys(trace), capacity, policy).hit_ratio
-    served = served_requests(trace)
-    return replay_behind_engine(served, capacity, policy, gpu_blocks=gpu_blocks).hit_ratio
+    """One replay's hit ratio (``replayer``)."""
+    return replayer(trace, gpu_blocks)(capacity, policy)
 
 
 def measure(trace: Sequence[TraceRequest], policies: list[str], capacities: list[int],
@@ -50,10 +59,10 @@ def measure(trace: Sequence[TraceRequest], policies: list[str], capacities: list
     bar = make_progress(seeds * len(runs), True, unit="run")
     try:
         for seed in range(seeds):
-            keyed = rekeyed(trace, seed)
+            run = replayer(rekeyed(trace, seed), gpu_blocks)
             for policy, capacity in runs:
                 bar.describe(f"seed {seed}: {policy} @ {capacity}")
-                runs[policy, capacity].append(hit_ratio(keyed, capacity, policy, gpu_blocks))
+                runs[policy, capacity].append(run(capacity, policy))
                 bar.update(1)
     finally:
         bar.close()
