@@ -1,6 +1,6 @@
 """The policy benchmarks run and say what they claim (benchmarks/admission_oracles.py,
 bench_policy_cost.py, bench_adaptive_parts.py, count_policy_instructions.py,
-policy_variants.py, reference_policies.py, group_gaps.py, key_seed_spread.py)."""
+policy_variants.py, reference_policies.py, group_gaps.py, key_seed_spread.py, generated_workloads.py)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from helpers.policy_contract import exercise, random_ops
 
 from kvtier import block_key
 from kvtier.policies.adaptive import AdaptivePolicy
-from kvtier.replay.driver import replay
+from kvtier.replay.driver import replay, trace_keys
 from kvtier.replay.generate import generate, write_trace
 from kvtier.replay.trace import TraceRequest, load_trace
 
@@ -97,6 +97,44 @@ def test_key_seed_spread_reports_each_seed_against_lru_in_that_seed(
         # seed 0 is the trace itself: the same figure as a plain replay
         assert rows[1]["hit_ratios"][0] == spread.hit_ratio(
             load_trace(trace), 100, "default", 200 if extra else None)
+
+
+def test_generated_workloads_reports_each_seed_and_flags_misses(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    rows_of = _load("generated_workloads")
+    argv = ["--kinds", "chat,loop", "--seeds", "0,2", "--capacity", "60,200",
+            "--requests", "300", "--policies", "plfu,arc", "--large", "200", "--json"]
+    assert rows_of.main(argv) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["kind"], r["seed"], r["capacity"], r["policy"]) for r in rows] == [
+        (k, s, c, p) for k in ("chat", "loop") for s in (0, 2) for c in (60, 200)
+        for p in ("plfu", "arc")]
+    loop = generate("loop", 2, 300)
+    first = next(r for r in rows if (r["kind"], r["seed"], r["capacity"], r["policy"])
+                 == ("loop", 2, 60, "plfu"))
+    keys = trace_keys(loop)
+    assert first["hit_ratio"] == replay(keys, 60, "plfu").hit_ratio
+    assert first["lru"] == replay(keys, 60, "lru").hit_ratio
+    for r in rows:
+        if r["lru"]:
+            assert r["vs_lru"] == pytest.approx(r["hit_ratio"] / r["lru"])
+        assert r["margin"] == pytest.approx(r["hit_ratio"] - max(r["lru"], r["arc"]))
+        assert r["missed"] == (r["vs_lru"] < 0.98
+                               or (r["capacity"] >= 200 and r["margin"] < -0.01))
+    # the worst seed of each cell, and --check's status follows the floor
+    cells = [rows_of.Cell(**{k: r[k] for k in ("kind", "seed", "capacity", "policy",
+                                               "hit_ratio", "lru", "arc")}) for r in rows]
+    for w in rows_of.worst(cells):
+        assert w.vs_lru == min(c.vs_lru for c in cells if (c.kind, c.capacity, c.policy)
+                               == (w.kind, w.capacity, w.policy))
+    small = ["--kinds", "chat", "--seeds", "1", "--capacity", "60", "--requests", "200"]
+    assert rows_of.main([*small, "--floor", "0", "--check"]) == 0
+    assert rows_of.main([*small, "--floor", "100", "--check"]) == 1
+    assert "1 of 1 cells missed" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        rows_of.main(["--kinds", "chat,nope"])
+    with pytest.raises(SystemExit):
+        rows_of.main(["--policies", "no-such-policy"])
 
 
 def test_policy_cost_row_takes_the_median_and_quartiles_of_paired_ratios() -> None:
