@@ -26,8 +26,8 @@ import json
 import sys
 from dataclasses import asdict, dataclass
 
-from kvtier.argtypes import non_negative_int, positive_int
-from kvtier.cli import int_list, name_list
+from kvtier.argtypes import positive_int
+from kvtier.cli import int_list, known_name_list, name_list, seed_list
 from kvtier.policies import policy_class
 from kvtier.progress import make_progress
 from kvtier.replay.driver import replay, trace_keys
@@ -99,16 +99,7 @@ def worst(cells: list[Cell]) -> list[Cell]:
 
 
 def _kinds(text: str) -> list[str]:
-    kinds = name_list(text)
-    unknown = [k for k in kinds if k not in KINDS]
-    if unknown:
-        raise argparse.ArgumentTypeError(
-            f"unknown workload(s) {', '.join(unknown)}; known: {', '.join(KINDS)}")
-    return kinds
-
-
-def _seeds(text: str) -> list[int]:
-    return list(dict.fromkeys(non_negative_int(part.strip()) for part in text.split(",")))
+    return known_name_list(text, KINDS, "workload")
 
 
 def _policies(text: str) -> list[str]:
@@ -124,7 +115,7 @@ def _policies(text: str) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--kinds", type=_kinds, default=list(KINDS))
-    ap.add_argument("--seeds", type=_seeds, default=[1, 2, 3])
+    ap.add_argument("--seeds", type=seed_list, default=[1, 2, 3])
     ap.add_argument("--capacity", type=int_list, default=[1000, 4000, 16000])
     ap.add_argument("--policies", type=_policies, default=["default"])
     ap.add_argument("--requests", type=positive_int, default=10_000)

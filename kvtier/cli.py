@@ -29,7 +29,7 @@ import argparse
 import itertools
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -60,6 +60,11 @@ def int_list(text: str) -> list[int]:
     return list(dict.fromkeys(positive_int(part.strip()) for part in text.split(",")))
 
 
+def seed_list(text: str) -> list[int]:
+    """Parse ``S[,S...]`` of ints >= 0 (seeds), duplicates dropped (argparse type)."""
+    return list(dict.fromkeys(non_negative_int(part.strip()) for part in text.split(",")))
+
+
 def name_list(text: str) -> list[str]:
     """Parse ``NAME[,NAME...]``, duplicates dropped (argparse type)."""
     names = [part.strip() for part in text.split(",")]
@@ -72,11 +77,17 @@ def write_policy_list(text: str) -> list[str]:
     """Parse ``store|evict[,...]``, the tier cascade's write policies (argparse type)."""
     from kvtier.tiers.cascade import WRITE_POLICIES  # numpy and the tiers: only when used
 
+    return known_name_list(text, WRITE_POLICIES, "write policy")
+
+
+def known_name_list(text: str, known: Collection[str], what: str) -> list[str]:
+    """``name_list``, each name one of ``known`` (argparse type helper; an
+    unknown name is reported with ``what`` it should have been)."""
     names = name_list(text)
-    bad = [n for n in names if n not in WRITE_POLICIES]
+    bad = [n for n in names if n not in known]
     if bad:
         raise argparse.ArgumentTypeError(
-            f"unknown write policy {bad[0]!r} (choose from {', '.join(WRITE_POLICIES)})")
+            f"unknown {what} {bad[0]!r} (choose from {', '.join(known)})")
     return names
 
 

@@ -1,6 +1,7 @@
 """The policy benchmarks run and say what they claim (benchmarks/admission_oracles.py,
 bench_policy_cost.py, bench_adaptive_parts.py, count_policy_instructions.py,
-policy_variants.py, reference_policies.py, group_gaps.py, key_seed_spread.py, generated_workloads.py)."""
+policy_variants.py, reference_policies.py, group_gaps.py, key_seed_spread.py,
+generated_workloads.py)."""
 
 from __future__ import annotations
 
