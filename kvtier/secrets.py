@@ -13,6 +13,9 @@ from __future__ import annotations
 
 from urllib.parse import SplitResult, parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
+REDIS_URL_SCHEMES = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster")
+"""The schemes of a Redis tier's URL (``+cluster``: Redis Cluster)."""
+
 REDIS_PASSWORD_ENV = "KVTIER_REDIS_PASSWORD"
 """Environment variable holding the Redis password when the URL has none."""
 

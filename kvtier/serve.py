@@ -30,7 +30,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvtier.argtypes import byte_size, positive_int
-from kvtier.secrets import ENV_PREFIX, REDIS_PASSWORD_ENV, TENANT_SALT_ENV, split_url_password
+from kvtier.secrets import (
+    ENV_PREFIX,
+    REDIS_PASSWORD_ENV,
+    REDIS_URL_SCHEMES,
+    TENANT_SALT_ENV,
+    split_url_password,
+)
 
 SPEC = {"spec_name": "KVTierSpec", "spec_module_path": "kvtier.vllm"}
 """The ``kv_connector_extra_config`` keys that select kvtier."""
@@ -72,7 +78,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disk-bytes", type=byte_size, default=None, metavar="N",
                    help="bytes the disk tier may keep (required with --disk-path)")
     p.add_argument("--redis-url", default=None, metavar="URL",
-                   help="Redis/Valkey tier below the disk tier (redis://, rediss://); "
+                   help="Redis/Valkey tier below the disk tier ("
+                   + ", ".join(f"{scheme}://" for scheme in REDIS_URL_SCHEMES) + "); "
                    f"a password in it is passed through ${REDIS_PASSWORD_ENV}, never argv")
     p.add_argument("--tenant-salt", default=None, metavar="S",
                    help=f"tenant salt of the shared tiers (passed through ${TENANT_SALT_ENV})")

@@ -11,6 +11,7 @@ from typing import Any
 from kvtier.argtypes import positive_int
 from kvtier.bench import serving
 from kvtier.bench.server import sigterm_as_exit
+from kvtier.demo.tiny_model import DEFAULT_MODEL_DIR_TEXT
 from kvtier.errors import CommandError
 from kvtier.progress import make_progress
 
@@ -45,32 +46,44 @@ def _sizes(text: str) -> tuple[int, ...]:
     return tuple(dict.fromkeys(positive_int(n) for n in _split(text)))
 
 
+def _plain(doc: str | None, paragraph: int) -> str | None:
+    """Paragraph ``paragraph`` of a module docstring, its ``literals`` as plain text."""
+    return doc.split("\n\n")[paragraph].replace("``", "") if doc else None
+
+
 def add_bench_parser(commands: Any) -> None:
     """Register ``kvtier bench serve``."""
     bench = commands.add_parser("bench", help="benchmarks (serve: real servers, vLLM's client)")
     sub = bench.add_subparsers(dest="bench_command", metavar="BENCH", required=True)
     p = sub.add_parser(
         "serve", help="real vLLM servers x configurations driven by 'vllm bench serve'",
-        description=serving.__doc__.split("\n\n")[1] if serving.__doc__ else None)
+        description=_plain(serving.__doc__, 1))
     p.add_argument("--out", type=Path, default=Path("bench-serve"), metavar="DIR",
                    help="runs, logs, summary and plot go here (default ./bench-serve)")
     p.add_argument("--model-dir", type=Path, default=None, metavar="DIR",
-                   help="the tiny model (built there if missing; default ~/.cache/kvtier)")
+                   help="the tiny model (built there if missing; default "
+                   f"{DEFAULT_MODEL_DIR_TEXT})")
     p.add_argument("--configs", type=_configs, default=serving.CONFIGS,
                    metavar="C[,C...]",
                    help=f"none, vllm-lru, or POLICY[+disk] (default {','.join(serving.CONFIGS)})")
     p.add_argument("--traffic", type=_names(serving.TRAFFIC), default=serving.TRAFFIC,
                    metavar="T[,T...]", help="bundled (the Mooncake trace) and/or generated "
-                   f"(kvtier generate {serving.GENERATED_KIND})")
+                   f"(kvtier generate {serving.GENERATED_KIND}; default "
+                   f"{','.join(serving.TRAFFIC)})")
     p.add_argument("--regimes", type=_names(serving.REGIMES), default=serving.REGIMES,
-                   metavar="R[,R...]", help="paced (trace timestamps) and/or saturating")
+                   metavar="R[,R...]", help="paced (trace timestamps) and/or saturating "
+                   f"(default {','.join(serving.REGIMES)})")
     p.add_argument("--cpu-blocks", type=_sizes, default=(1000, 4000), metavar="N[,N...]",
                    help="CPU-tier sizes in engine blocks (default 1000,4000: 2x and 8x the "
                    "engine cache)")
     p.add_argument("--gpu-blocks", type=positive_int, default=500, metavar="N",
                    help="engine KV cache blocks (default 500)")
-    p.add_argument("--requests", type=positive_int, default=1500, metavar="N")
-    p.add_argument("--repeats", type=positive_int, default=3, metavar="N")
+    p.add_argument("--requests", type=positive_int, default=1500, metavar="N",
+                   help="requests per run: the trace's first N, or N generated "
+                   "(default %(default)s)")
+    p.add_argument("--repeats", type=positive_int, default=3, metavar="N",
+                   help="runs of each configuration in each scenario; the summary takes "
+                   "their medians (default %(default)s)")
     p.add_argument("--speedup", type=float, default=25.0, metavar="X",
                    help="paced regime: arrivals X times faster than the trace (default 25)")
     p.add_argument("--concurrency", type=positive_int, default=16, metavar="N",
@@ -89,12 +102,17 @@ def _add_faults(sub: Any) -> None:
     from kvtier.bench import faults
 
     p = sub.add_parser("faults", help="tier faults injected into a real server under load",
-                       description=faults.__doc__.split("\n\n")[0] if faults.__doc__ else None)
-    p.add_argument("--out", type=Path, default=Path("bench-faults"), metavar="DIR")
-    p.add_argument("--model-dir", type=Path, default=None, metavar="DIR")
+                       description=_plain(faults.__doc__, 0))
+    p.add_argument("--out", type=Path, default=Path("bench-faults"), metavar="DIR",
+                   help="trace, logs, faults.jsonl and faults.txt go here "
+                   "(default ./bench-faults)")
+    p.add_argument("--model-dir", type=Path, default=None, metavar="DIR",
+                   help="the tiny model (built there if missing; default "
+                   f"{DEFAULT_MODEL_DIR_TEXT})")
     p.add_argument("--faults", type=_names(faults.FAULTS), default=faults.FAULTS,
                    metavar="F[,F...]", help=f"default {','.join(faults.FAULTS)}")
-    p.add_argument("--requests", type=positive_int, default=800, metavar="N")
+    p.add_argument("--requests", type=positive_int, default=800, metavar="N",
+                   help="requests per run: the bundled trace's first N (default %(default)s)")
     p.add_argument("--speedup", type=float, default=10.0, metavar="X",
                    help="arrivals X times faster than the trace (default 10)")
     p.set_defaults(func=cmd_bench_faults)

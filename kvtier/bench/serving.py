@@ -1,12 +1,12 @@
 """``kvtier bench serve``: real servers x configurations, driven by vLLM's own client.
 
 For every scenario (traffic x regime x CPU-tier size) and repeat, each
-configuration gets a fresh server on the tiny local model (``CONFIGS``: no
-offloading; vLLM's own CPU manager behind kvtier's worker; kvtier with LRU,
-with its default policy, and default plus a disk tier) and one run of
+configuration gets a fresh server on the tiny local model (``--configs``, by
+default: no offloading; vLLM's own CPU manager behind kvtier's worker; kvtier
+with LRU, with its default policy, and default plus a disk tier) and one run of
 ``vllm bench serve --dataset-name timed_trace`` over the scaled trace
 (``kvtier.bench.traffic``). Regimes: ``paced`` (the trace's arrival times,
-sped up ``speedup`` times) and ``saturating`` (``concurrency`` requests
+sped up ``--speedup`` times) and ``saturating`` (``--concurrency`` requests
 always in flight). Configurations are interleaved and their order rotates
 each repeat, so slow phases of a shared machine hit all of them alike.
 

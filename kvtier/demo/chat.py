@@ -26,7 +26,13 @@ from typing import TYPE_CHECKING, Any
 
 from kvtier.argtypes import positive_int
 from kvtier.demo import engine as E
-from kvtier.demo.tiny_model import build_tiny_llama, default_model_dir, is_built, token_prompt
+from kvtier.demo.tiny_model import (
+    DEFAULT_MODEL_DIR_TEXT,
+    build_tiny_llama,
+    default_model_dir,
+    is_built,
+    token_prompt,
+)
 from kvtier.demo.workload import DemoError, Workload
 
 if TYPE_CHECKING:
@@ -266,7 +272,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cpu-bytes", type=positive_int, default=DEFAULT_CPU_BYTES, metavar="B",
                         help=f"kvtier's CPU tier in bytes (default {DEFAULT_CPU_BYTES})")
     parser.add_argument("--model-dir", type=Path, default=None, metavar="DIR",
-                        help="where the tiny model is built (default ~/.cache/kvtier/tiny-llama)")
+                        help=f"where the tiny model is built (default {DEFAULT_MODEL_DIR_TEXT})")
     parser.add_argument("--json", action="store_true", help="one JSON object instead of a table")
     parser.add_argument("--disk", type=Path, default=None, metavar="DIR",
                         help="the tiered demo instead: two servers one after the other with "

@@ -21,6 +21,10 @@ HEAD_DIM = 32
 DTYPE_BYTES = 2  # bfloat16
 MAX_POSITIONS = 4096
 """The tiny model's ``max_position_embeddings``."""
+MODEL_SUBDIR = ("kvtier", "tiny-llama")
+"""The model's directory under the user's cache directory (``default_model_dir``)."""
+DEFAULT_MODEL_DIR_TEXT = "~/.cache/" + "/".join(MODEL_SUBDIR)
+"""``default_model_dir()`` as help texts give it (``$XDG_CACHE_HOME`` unset)."""
 _FILES = ("config.json", "model.safetensors", "tokenizer.json", "generation_config.json")
 """Files a complete model dir has."""
 
@@ -53,7 +57,7 @@ def _save_tokenizer(path: Path) -> None:
 def default_model_dir() -> Path:
     """``$XDG_CACHE_HOME/kvtier/tiny-llama`` (``~/.cache``), or a temp dir if unwritable."""
     base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    target = base / "kvtier" / "tiny-llama"
+    target = base.joinpath(*MODEL_SUBDIR)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
     except OSError:

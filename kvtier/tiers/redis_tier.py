@@ -53,7 +53,13 @@ from redis.exceptions import RedisClusterException, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
-from kvtier.secrets import MISPLACED_AT_HINT, REDIS_PASSWORD_ENV, misplaced_at, redact_url
+from kvtier.secrets import (
+    MISPLACED_AT_HINT,
+    REDIS_PASSWORD_ENV,
+    REDIS_URL_SCHEMES,
+    misplaced_at,
+    redact_url,
+)
 from kvtier.tiers import blockfile
 from kvtier.tiers.base import (
     Counters,
@@ -74,7 +80,7 @@ from kvtier.tiers.namespace import check_namespace
 logger = logging.getLogger(__name__)
 
 DEFAULT_PASSWORD_ENV = REDIS_PASSWORD_ENV
-SCHEMES = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster")
+SCHEMES = REDIS_URL_SCHEMES
 _TRANSPORT_ERRORS: tuple[type[BaseException], ...] = (
     RedisConnectionError,  # includes authentication and busy-loading errors
     RedisTimeoutError,

@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from kvtier.tools.redis_admin import RedisReport
 
 T = TypeVar("T")
-_JSON_HELP = "print one JSON object (verify: one per line) instead of text"
+_JSON_HELP = "print the report as one JSON object instead of text"
 
 
 # ---------------------------------------------------------------- registration
@@ -70,7 +70,9 @@ def add_disk_parser(commands: Any) -> None:
     _path_arguments(p)
     p.add_argument("--repair", action="store_true",
                    help="remove the bad blocks and the temp files of dead writers")
-    p.add_argument("--json", action="store_true", help=_JSON_HELP)
+    p.add_argument("--json", action="store_true",
+                   help='JSON lines instead of text: one object per bad block ("type": '
+                   '"bad"), then the summary ("type": "summary")')
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_disk_verify)
 
@@ -103,7 +105,8 @@ def add_redis_parser(commands: Any) -> None:
                            "their value bytes (STRLEN) per namespace, with SCAN (never "
                            "KEYS, so the server keeps serving).")
     p.add_argument("url", metavar="URL",
-                   help="redis://[user[:password]@]host:port/db, rediss:// (TLS) or unix://")
+                   help="redis://[user[:password]@]host:port/db, rediss:// (TLS) or unix://; "
+                   "not Redis Cluster (redis+cluster://): inspect each shard by its own URL")
     p.add_argument("--scan-count", type=positive_int, default=1000, metavar="N",
                    help="COUNT hint of each SCAN call (default 1000)")
     p.add_argument("--json", action="store_true", help=_JSON_HELP)
