@@ -235,3 +235,22 @@ def test_main_segment_evicts_tails_before_heads() -> None:
     assert pol.evict(3, set()) == chain[:2:-1]  # 5, 4, 3: the tail
     pol.lfu_share = pol.MIN_SHARE
     assert pol.evict(2, set()) == [k(2), k(1)]
+
+
+def test_first_unseen_and_enter_main() -> None:
+    pol = PLFUPolicy(16)
+    keys = [kvtier.block_key(i) for i in range(6)]
+    pol.insert(keys[:4])
+    pol.on_access(keys[:4], set())
+    assert pol.first_unseen(keys) == 4
+    assert pol.first_unseen(keys[:4]) == 4
+    assert pol.first_unseen(keys[4:]) == 0
+    pol.insert(keys[4:])
+    assert pol.first_unseen(keys) == 4  # stored, still never used
+    pol.on_access(keys, set())  # blocks 0-3: a second use, to main
+    assert [pol.segment(key) for key in keys] == ["main"] * 4 + ["window"] * 2
+    history = len(pol.history)
+    pol.enter_main([*keys[4:], kvtier.block_key(99)])  # 99: not resident, ignored
+    assert [pol.segment(key) for key in keys] == ["main"] * 6
+    assert len(pol.history) == history and pol.history[keys[5]] == 1
+    assert pol.evict(1, set(keys[:4])) == [keys[5]]  # the tail goes first
