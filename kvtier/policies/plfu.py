@@ -247,9 +247,10 @@ class PLFUPolicy(EvictionPolicy):
 
         A request uses a block's whole prefix, and no count exceeds its
         parent's, so the keys the history knows are a prefix of a request's
-        keys: bisection finds the boundary in ``log2(len(keys))`` lookups
-        (scanning the unseen keys one by one cost a tenth of LRU's time per
-        key where admission declines most of them).
+        keys: bisection finds the boundary in ``log2(len(keys))`` lookups,
+        where a scan would look up every unseen key (most of an offer when
+        admission declines it). Should the known keys not be a prefix, it
+        returns one index where a known key is followed by an unseen one.
         """
         counts, fresh, window = self._counts, self._fresh, self._window
         lo, hi = 0, len(keys)
