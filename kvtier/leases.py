@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
+from collections.abc import Container
 
 from kvtier.request import RequestContext
 
@@ -94,3 +95,21 @@ class LeaseTable:
         """Forget every lease (the caller forgets the blocks' side)."""
         self.held = 0
         self._holders.clear()
+
+
+def leased_prefix(run: list[bytes], leased: set[bytes], counted: Container[bytes],
+                  mine: int, blocks: int) -> int:
+    """Length of the longest prefix of ``run`` that a request holding ``leased``
+    can lease with ``mine`` new leases, of which at most ``blocks`` on keys no
+    request leases yet (not in ``counted``)."""
+    seen: set[bytes] = set()
+    for i, key in enumerate(run):
+        if key in leased or key in seen:
+            continue
+        fresh = key not in counted
+        if mine <= 0 or (fresh and blocks <= 0):
+            return i
+        seen.add(key)
+        mine -= 1
+        blocks -= fresh
+    return len(run)

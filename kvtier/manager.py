@@ -11,12 +11,14 @@ from kvtier.argtypes import require_positive_int
 from kvtier.errors import MissingBlocksError, ProtocolError
 from kvtier.events import Event, EventLog
 from kvtier.history import EvictionHistory
+from kvtier.holds import BlockHolds, decrement, increment
 from kvtier.keys import check_keys, key_group
 from kvtier.leases import (
     DEFAULT_LEASE_TIMEOUT_S,
     DEFAULT_MAX_LEASE_HOLDERS,
     DEFAULT_MAX_LEASES_PER_REQUEST,
     LeaseTable,
+    leased_prefix,
 )
 from kvtier.policies import EvictionPolicy, make_policy
 from kvtier.request import RequestContext
@@ -29,7 +31,8 @@ MAX_MISSING_DETAILS = 16
 class OffloadManager:
     """Decides which KV blocks occupy the ``num_blocks`` CPU slots; never touches bytes.
 
-    Owns the block table (key -> slot, state, pins, leases), the free slots,
+    Owns the block table (key -> slot), the holds on its blocks (writes,
+    pins, leases: :class:`~kvtier.holds.BlockHolds`), the free slots,
     the eviction policy, the admission tracker, the lease table, the eviction
     history, the event log and the counters. Invariants:
 
@@ -76,21 +79,19 @@ class OffloadManager:
         total = max(1, num_blocks // 2) if max_leased_blocks is None else max_leased_blocks
         self._leases = LeaseTable(max_leases_per_request, total, lease_timeout_s,
                                   max_lease_holders)
-        # The block table, flat for speed: every resident key has a slot; the
-        # keys being written, pinned or leased are also in ``policy.blocked``.
+        # The block table: every resident key has a slot; what holds a block
+        # from eviction (writes, pins, leases) is in ``_holds``, whose
+        # containers are aliased here for the hot paths (never rebound).
         self._slot: dict[bytes, int] = {}
-        self._writing: set[bytes] = set()
-        self._pins: dict[bytes, int] = {}
-        self._lease_count: dict[bytes, int] = {}
-        self._blocked = self.policy.blocked
+        self._holds = BlockHolds(self.policy.blocked)
+        self._writing = self._holds.writing
+        self._lease_count = self._holds.leases
         self._wants_reuse = self.policy.wants_reuse
         self._wants_demand = self.policy.wants_demand
         self._wants_running_order = self.policy.wants_running_order
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
-        # Promotions in flight (also in ``_writing``) and internal pins (also
-        # counted in ``_pins``): see ``reserve`` / ``pin_internal``.
+        # Promotions in flight (also in ``_writing``): see ``reserve``.
         self._reserved: set[bytes] = set()
-        self._internal_pins: dict[bytes, int] = {}
         self._evict_listener: Callable[[list[bytes], list[int]], None] | None = None
         self._epoch = 0
         self._reset_counters()
@@ -171,28 +172,13 @@ class OffloadManager:
         counted = self._lease_count
         over_blocks = len(new) > blocks and sum(1 for k in new if k not in counted) > blocks
         if len(new) > mine or over_blocks:
-            hits = self._leased_prefix(run, leased, mine, blocks)
+            hits = leased_prefix(run, leased, counted, mine, blocks)
             new = list(dict.fromkeys(k for k in run[:hits] if k not in leased))
         if new:
-            self._lease(new, leased)
+            leased.update(new)
+            self._holds.lease(new)
             self._leases.granted(ctx, len(new), now)
         return hits
-
-    def _leased_prefix(self, run: list[bytes], leased: set[bytes], mine: int, blocks: int) -> int:
-        """Longest prefix of ``run`` within ``mine`` new leases and ``blocks`` newly
-        leased blocks."""
-        counted = self._lease_count
-        seen: set[bytes] = set()
-        for i, key in enumerate(run):
-            if key in leased or key in seen:
-                continue
-            fresh = key not in counted
-            if mine <= 0 or (fresh and blocks <= 0):
-                return i
-            seen.add(key)
-            mine -= 1
-            blocks -= fresh
-        return len(run)
 
     def lookup_one(self, key: bytes, ctx: RequestContext) -> LookupResult:
         """Classify one key; a HIT is leased to ``ctx`` (MISS when out of lease budget)."""
@@ -209,26 +195,6 @@ class OffloadManager:
         self.hits += 1
         return LookupResult.HIT
 
-    def _lease(self, keys: list[bytes], leased: set[bytes]) -> None:
-        """Lease distinct ``keys`` (not leased by this request yet) to a request."""
-        leased.update(keys)
-        count = self._lease_count
-        get = count.get
-        for key in keys:
-            count[key] = get(key, 0) + 1
-        self._blocked.update(keys)
-
-    def _unlease(self, keys: Iterable[bytes]) -> None:
-        count, pins, blocked = self._lease_count, self._pins, self._blocked
-        for key in keys:
-            left = count[key] - 1
-            if left:
-                count[key] = left
-            else:
-                del count[key]
-                if key not in pins:
-                    blocked.discard(key)
-
     def release(self, ctx: RequestContext) -> None:
         """Drop the leases ``ctx`` still holds (keys it looked up but will not load)."""
         self._sync(ctx)
@@ -238,7 +204,7 @@ class OffloadManager:
         if not ctx.leased:
             return
         n = len(ctx.leased)
-        self._unlease(ctx.leased)
+        self._holds.unlease(ctx.leased)
         ctx.leased.clear()
         self._leases.dropped(ctx, n)
 
@@ -264,16 +230,14 @@ class OffloadManager:
         missing = [k for k in keys if k not in slot or k in writing]
         if missing:
             raise self._missing_error(keys, missing, ctx)
-        pins, loading, leased = self._pins, ctx.loading, ctx.leased
-        for key in keys:
-            pins[key] = pins.get(key, 0) + 1
-            loading[key] = loading.get(key, 0) + 1
-        self._blocked.update(keys)
+        leased = ctx.leased
+        increment(ctx.loading, keys)
+        self._holds.pin(keys)
         if leased:
             was_leased = leased.intersection(keys)
             if was_leased:
                 leased.difference_update(was_leased)
-                self._unlease(was_leased)
+                self._holds.unlease(was_leased)
                 self._leases.dropped(ctx, len(was_leased))
         ctx.log_access(keys)
         if self._wants_reuse:
@@ -299,25 +263,8 @@ class OffloadManager:
             self._check_owed_loads(keys, ctx)
         if stale_left is not None:
             ctx.stale_loads = stale_left
-        for key in keys:
-            left = loading[key] - 1
-            if left:
-                loading[key] = left
-            else:
-                del loading[key]
-        self._drop_pins(keys)
-
-    def _drop_pins(self, keys: Iterable[bytes]) -> None:
-        """Release one pin of each key (a key repeated is released that often)."""
-        pins, blocked, leases = self._pins, self._blocked, self._lease_count
-        for key in keys:
-            left = pins[key] - 1
-            if left:
-                pins[key] = left
-            else:
-                del pins[key]
-                if key not in leases:
-                    blocked.discard(key)
+        decrement(loading, keys)
+        self._holds.unpin(keys)
 
     @staticmethod
     def _check_owed_loads(keys: list[bytes], ctx: RequestContext) -> None:
@@ -387,11 +334,15 @@ class OffloadManager:
             return candidates
         admitted, skipped = self._tracker.record(candidates, ctx.counted)
         if skipped:
-            seen = ctx.skipped
-            new_skips = [k for k in skipped if k not in seen] if seen else skipped
-            seen.update(new_skips)
-            self.stores_skipped += len(new_skips)
+            self._count_skips(skipped, ctx)
         return admitted
+
+    def _count_skips(self, declined: list[bytes], ctx: RequestContext) -> None:
+        """Add the declined keys ``ctx`` has not had declined before to ``stores_skipped``."""
+        seen = ctx.skipped
+        new_skips = [k for k in declined if k not in seen] if seen else declined
+        seen.update(new_skips)
+        self.stores_skipped += len(new_skips)
 
     def _policy_admit(self, candidates: list[bytes], ctx: RequestContext) -> list[bytes]:
         """The leading candidates the policy stores; the rest are declined (reported
@@ -403,11 +354,7 @@ class OffloadManager:
                 f"0..{len(candidates)}")
         if n == len(candidates):
             return candidates
-        declined = candidates[n:]
-        seen = ctx.skipped
-        new_skips = [k for k in declined if k not in seen] if seen else declined
-        seen.update(new_skips)
-        self.stores_skipped += len(new_skips)
+        self._count_skips(candidates[n:], ctx)
         return candidates[:n]
 
     def _show_store_misses(self, candidates: list[bytes], ctx: RequestContext) -> None:
@@ -462,8 +409,7 @@ class OffloadManager:
         del free[-len(keys):]
         slots.reverse()
         self._slot.update(zip(keys, slots, strict=True))
-        self._writing.update(keys)
-        self._blocked.update(keys)
+        self._holds.write(keys)
         self.policy.insert(keys)
         return slots
 
@@ -492,21 +438,13 @@ class OffloadManager:
         if len(keys) > 1 and len(set(keys)) != len(keys):
             keys = list(dict.fromkeys(keys))
         writing.difference_update(keys)
-        self._writing.difference_update(keys)
+        self._holds.written(keys)
         if success:
-            self._blocked.difference_update(keys)
             self.stores += len(keys)
             self._events.emit(keys, "stored")
         else:
-            self._drop_failed(keys, ctx)
-
-    def _drop_failed(self, keys: list[bytes], ctx: RequestContext) -> None:
-        slot, remove = self._slot, self.policy.remove
-        self._free.extend([slot.pop(k) for k in keys])
-        self._blocked.difference_update(keys)
-        for key in keys:
-            remove(key)
-        ctx.inserted.difference_update(keys)
+            self._free_slots(keys)
+            ctx.inserted.difference_update(keys)
 
     # -- promotions and internal pins (the tier cascade) ----------------------
 
@@ -546,14 +484,16 @@ class OffloadManager:
         if not keys:
             return
         self._reserved.difference_update(keys)
-        self._writing.difference_update(keys)
+        self._holds.written(keys)
         if success:
-            self._blocked.difference_update(keys)
             self._events.emit(keys, "stored")
-            return
+        else:
+            self._free_slots(keys)
+
+    def _free_slots(self, keys: list[bytes]) -> None:
+        """Forget resident ``keys`` that hold nothing (a failed write): slots freed."""
         slot, remove = self._slot, self.policy.remove
         self._free.extend([slot.pop(k) for k in keys])
-        self._blocked.difference_update(keys)
         for key in keys:
             remove(key)
 
@@ -572,11 +512,7 @@ class OffloadManager:
                 f"pin_internal: {len(missing)} of {len(keys)} keys not ready, "
                 f"first {missing[0]!r}"
             )
-        pins, internal = self._pins, self._internal_pins
-        for key in keys:
-            pins[key] = pins.get(key, 0) + 1
-            internal[key] = internal.get(key, 0) + 1
-        self._blocked.update(keys)
+        self._holds.pin_internal(keys)
         return [slot[k] for k in keys]
 
     def set_eviction_listener(
@@ -592,18 +528,7 @@ class OffloadManager:
     def unpin_internal(self, keys: Iterable[bytes]) -> None:
         """Undo ``pin_internal``; keys without an internal pin (e.g. after a
         ``reset()``) are ignored."""
-        internal = self._internal_pins
-        released: list[bytes] = []
-        for key in check_keys(keys):
-            n = internal.get(key, 0)
-            if not n:
-                continue
-            if n == 1:
-                del internal[key]
-            else:
-                internal[key] = n - 1
-            released.append(key)
-        self._drop_pins(released)
+        self._holds.unpin_internal(check_keys(keys))
 
     # -- recency -----------------------------------------------------------
 
@@ -649,14 +574,11 @@ class OffloadManager:
         """
         self._events.emit([k for k in self._slot if k not in self._writing], "removed")
         self._epoch += 1
-        for table in (
-            self._slot, self._writing, self._pins, self._lease_count,
-            self._reserved, self._internal_pins,
-        ):
-            table.clear()
+        self._slot.clear()
+        self._reserved.clear()
         self._free = list(range(self.num_blocks - 1, -1, -1))
         self.policy.clear()
-        self._blocked = self.policy.blocked  # a policy may rebind it in clear()
+        self._holds.clear(self.policy.blocked)  # a policy may rebind it in clear()
         if self._tracker is not None:
             self._tracker.clear()
         self._leases.clear()
@@ -673,10 +595,10 @@ class OffloadManager:
         stats = {
             "resident": resident,
             "ready": resident - len(self._writing),
-            "pinned": len(self._pins),
+            "pinned": len(self._holds.pins),
             "leased": len(self._lease_count),
             "write_pending": len(self._writing),
-            "unevictable": len(self._blocked),
+            "unevictable": len(self._holds.blocked),
             "free": len(self._free),
             "hits": self.hits,
             "misses": self.misses,
@@ -721,11 +643,11 @@ class OffloadManager:
             "table": len(self._slot),
             "free": len(self._free),
             "writing": len(self._writing),
-            "pinned": len(self._pins),
+            "pinned": len(self._holds.pins),
             "leased": len(self._lease_count),
             "reserved": len(self._reserved),
-            "internal_pins": len(self._internal_pins),
-            "unevictable": len(self._blocked),
+            "internal_pins": len(self._holds.internal),
+            "unevictable": len(self._holds.blocked),
             "events": len(self._events),
         }
         state["policy"] = dict(self.policy.sizes())
