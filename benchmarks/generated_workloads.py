@@ -26,8 +26,7 @@ import json
 import sys
 from dataclasses import asdict, dataclass
 
-from kvtier.argtypes import positive_int
-from kvtier.cli import int_list, known_name_list, name_list, seed_list
+from kvtier.argtypes import int_list, known_name_list, name_list, positive_int, seed_list
 from kvtier.policies import policy_class
 from kvtier.progress import make_progress
 from kvtier.replay.driver import replay, trace_keys

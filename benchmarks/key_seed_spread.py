@@ -23,8 +23,7 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from kvtier.argtypes import positive_int
-from kvtier.cli import int_list
+from kvtier.argtypes import int_list, positive_int
 from kvtier.progress import make_progress
 from kvtier.replay.behind_engine import replay_behind_engine, served_requests
 from kvtier.replay.driver import replay, trace_keys

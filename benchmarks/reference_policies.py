@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
 
-from kvtier.cli import int_list
+from kvtier.argtypes import int_list
 from kvtier.progress import make_progress
 from kvtier.replay.reference import Cache, LRUCache, Requests, prefix_hit_ratio
 from kvtier.replay.trace import BUNDLED_TRACE, load_trace

@@ -4,6 +4,7 @@ int argument that library code shares."""
 from __future__ import annotations
 
 import argparse
+from collections.abc import Collection
 
 
 def require_positive_int(name: str, value: object) -> int:
@@ -51,3 +52,32 @@ def byte_size(text: str) -> int:
     if value != value or value < 1 or value > 1 << 62 or value != int(value):
         raise argparse.ArgumentTypeError(f"not a whole byte count >= 1: {text!r}")
     return int(value)
+
+
+def int_list(text: str) -> list[int]:
+    """Parse ``N[,N...]`` of ints >= 1, duplicates dropped (argparse type)."""
+    return list(dict.fromkeys(positive_int(part.strip()) for part in text.split(",")))
+
+
+def seed_list(text: str) -> list[int]:
+    """Parse ``S[,S...]`` of ints >= 0 (seeds), duplicates dropped (argparse type)."""
+    return list(dict.fromkeys(non_negative_int(part.strip()) for part in text.split(",")))
+
+
+def name_list(text: str) -> list[str]:
+    """Parse ``NAME[,NAME...]``, duplicates dropped (argparse type)."""
+    names = [part.strip() for part in text.split(",")]
+    if not all(names):
+        raise argparse.ArgumentTypeError(f"empty name in {text!r}")
+    return list(dict.fromkeys(names))
+
+
+def known_name_list(text: str, known: Collection[str], what: str) -> list[str]:
+    """``name_list``, each name one of ``known`` (argparse type helper; an
+    unknown name is reported with ``what`` it should have been)."""
+    names = name_list(text)
+    bad = [n for n in names if n not in known]
+    if bad:
+        raise argparse.ArgumentTypeError(
+            f"unknown {what} {bad[0]!r} (choose from {', '.join(known)})")
+    return names

@@ -29,12 +29,18 @@ import argparse
 import itertools
 import json
 import sys
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvtier import __version__
-from kvtier.argtypes import non_negative_int, positive_int
+from kvtier.argtypes import (
+    int_list,
+    known_name_list,
+    name_list,
+    non_negative_int,
+    positive_int,
+)
 from kvtier.demo import chat as demo_chat
 from kvtier.errors import PROG, CommandError, ProtocolError
 from kvtier.policies import policy_class
@@ -43,7 +49,7 @@ from kvtier.replay.driver import BOUNDS, ReplayResult, bound_results, replay, tr
 from kvtier.replay.engine import EngineConfig, replay_engine
 from kvtier.replay.generate import KINDS, generate, write_trace
 from kvtier.replay.rekey import rekeyed
-from kvtier.replay.trace import BUNDLED_TRACE, TraceFormatError, TraceRequest, load_trace
+from kvtier.replay.trace import BUNDLED_TRACE, TraceRequest, load_requests
 
 if TYPE_CHECKING:
     from kvtier.replay.engine_schedule import ServedRequest
@@ -55,40 +61,11 @@ EXIT_USAGE = 2
 # -- argument types ------------------------------------------------------------
 
 
-def int_list(text: str) -> list[int]:
-    """Parse ``N[,N...]`` of ints >= 1, duplicates dropped (argparse type)."""
-    return list(dict.fromkeys(positive_int(part.strip()) for part in text.split(",")))
-
-
-def seed_list(text: str) -> list[int]:
-    """Parse ``S[,S...]`` of ints >= 0 (seeds), duplicates dropped (argparse type)."""
-    return list(dict.fromkeys(non_negative_int(part.strip()) for part in text.split(",")))
-
-
-def name_list(text: str) -> list[str]:
-    """Parse ``NAME[,NAME...]``, duplicates dropped (argparse type)."""
-    names = [part.strip() for part in text.split(",")]
-    if not all(names):
-        raise argparse.ArgumentTypeError(f"empty name in {text!r}")
-    return list(dict.fromkeys(names))
-
-
 def write_policy_list(text: str) -> list[str]:
     """Parse ``store|evict[,...]``, the tier cascade's write policies (argparse type)."""
     from kvtier.tiers.cascade import WRITE_POLICIES  # numpy and the tiers: only when used
 
     return known_name_list(text, WRITE_POLICIES, "write policy")
-
-
-def known_name_list(text: str, known: Collection[str], what: str) -> list[str]:
-    """``name_list``, each name one of ``known`` (argparse type helper; an
-    unknown name is reported with ``what`` it should have been)."""
-    names = name_list(text)
-    bad = [n for n in names if n not in known]
-    if bad:
-        raise argparse.ArgumentTypeError(
-            f"unknown {what} {bad[0]!r} (choose from {', '.join(known)})")
-    return names
 
 
 # -- parser --------------------------------------------------------------------
@@ -357,21 +334,6 @@ def check_policies(names: Sequence[str]) -> None:
             policy_class(name)
         except ValueError as exc:
             raise CommandError(str(exc)) from None
-
-
-def load_requests(path: Path) -> list[TraceRequest]:
-    """The trace's requests; ``CommandError`` when unreadable or empty."""
-    try:
-        requests = load_trace(path)
-    except (FileNotFoundError, IsADirectoryError) as exc:
-        raise CommandError(str(exc)) from None
-    except TraceFormatError as exc:
-        raise CommandError(f"malformed trace: {exc}") from None
-    except OSError as exc:
-        raise CommandError(f"cannot read trace {path}: {exc.strerror or exc}") from None
-    if not requests:
-        raise CommandError(f"{path}: the trace has no requests")
-    return requests
 
 
 class JsonLines:

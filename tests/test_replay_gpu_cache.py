@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 
 from kvtier import OffloadManager, RequestContext
-from kvtier.bench import serving, traffic
+from kvtier.bench import serving
 from kvtier.cli import main
-from kvtier.replay import behind_engine
+from kvtier.replay import behind_engine, serving_trace
 from kvtier.replay.behind_engine import (
     ENGINE_BLOCK_TOKENS,
     BehindEngineResult,
@@ -206,7 +206,8 @@ def test_served_requests_have_full_blocks_only() -> None:
 
 def test_the_lab_serves_the_trace_as_the_benchmark_does() -> None:
     assert ENGINE_BLOCK_TOKENS == serving.BLOCK_TOKENS
-    assert serving.BenchSettings(Path("m"), Path("o")).output_cap == traffic.DEFAULT_OUTPUT_CAP
+    settings = serving.BenchSettings(Path("m"), Path("o"))
+    assert settings.output_cap == serving_trace.DEFAULT_OUTPUT_CAP
 
 
 def test_engine_fits_its_longest_sequence_in_all_blocks_but_the_null_one() -> None:

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.bench import prom
-from kvtier.bench.server import ServerProcess
+from kvtier import prom
 from kvtier.demo.tiny_model import build_tiny_llama, kv_bytes_per_block, token_prompt
 from kvtier.policies import AdaptivePolicy
+from kvtier.server_process import ServerProcess
 from kvtier.slots.region import PREFIX, SUFFIX, default_shm_dir
 from kvtier.tiers.redis_server import free_port
 

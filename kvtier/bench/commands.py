@@ -10,10 +10,10 @@ from typing import Any
 
 from kvtier.argtypes import positive_int
 from kvtier.bench import serving
-from kvtier.bench.server import sigterm_as_exit
 from kvtier.demo.tiny_model import DEFAULT_MODEL_DIR_TEXT
 from kvtier.errors import CommandError
 from kvtier.progress import make_progress
+from kvtier.server_process import sigterm_as_exit
 
 
 def _split(text: str) -> tuple[str, ...]:

@@ -1,7 +1,7 @@
 """The engine side of the crash drills: ``kvtier serve`` servers, the HTTP load
 that keeps them writing, their answers, and killing them as a crash would.
 
-A server runs in its own session (:class:`~kvtier.bench.server.ServerProcess`);
+A server runs in its own session (:class:`~kvtier.server_process.ServerProcess`);
 :func:`kill_session` SIGKILLs every process of that session at once (API
 server, engine core, workers, kvtier's slot-region reapers) and waits until
 each pid is gone, so the dead engine's temp files and slot regions are stale
@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvtier.bench import prom
-from kvtier.bench.server import ServerProcess, session_pids
+from kvtier import prom
 from kvtier.demo.tiny_model import NUM_SPECIAL, VOCAB_SIZE, token_prompt
+from kvtier.server_process import ServerProcess, session_pids
 from kvtier.slots.region import PREFIX, SUFFIX, RegionHeader, default_shm_dir
 from kvtier.tiers.redis_server import free_port
 

@@ -73,7 +73,7 @@ from kvtier.bench.drill_writer import (
     payload_matches,
     read_acks,
 )
-from kvtier.bench.server import ServerProcess, session_pids
+from kvtier.server_process import ServerProcess, session_pids
 from kvtier.tiers.disk import DiskTier
 from kvtier.tools import AdminError
 from kvtier.tools.disk_admin import select, verify_disk

@@ -3,7 +3,7 @@
 Each run starts a fresh ``kvtier serve`` on the tiny model (float32, so that
 greedy answers do not depend on which tokens were cached) with a disk tier and
 a Redis tier (a local ``redis-server``), drives it with vLLM's own client over
-the scaled bundled trace (``kvtier.bench.traffic``, paced ``speedup`` times
+the scaled bundled trace (``kvtier.replay.serving_trace``, paced ``speedup`` times
 faster than the trace), injects one fault ``fault_at_s`` after the first
 request of the load reached the server, lifts it ``fault_for_s`` later, and
 lets the load finish:
@@ -38,8 +38,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvtier.bench import prom
-from kvtier.bench.server import ServerProcess
+from kvtier import prom
 from kvtier.bench.serving import (
     BLOCK_TOKENS,
     SERVER_ENV,
@@ -48,6 +47,7 @@ from kvtier.bench.serving import (
     kvtier_serve_argv,
 )
 from kvtier.launch import vllm_command
+from kvtier.server_process import ServerProcess
 from kvtier.tiers.cascade import DEFAULT_PROMOTION_TIMEOUT_S
 from kvtier.tiers.probes import DEFAULT_PROBE_TIMEOUT_S
 
@@ -306,13 +306,13 @@ def _result(fault: str, client: dict[str, Any], samples: prom.Samples, answer: s
 
 def run_all(s: FaultSettings, say: Any = print) -> list[FaultResult]:
     """The reference run first, then each fault; the probe compared across runs."""
-    from kvtier.bench import traffic
+    from kvtier.replay import serving_trace
 
     work = s.out
     for sub in ("logs", "results"):
         (work / sub).mkdir(parents=True, exist_ok=True)
     trace = work / "trace.jsonl"
-    traffic.write_scaled(None, trace, requests=s.requests, tokens_per_block=BLOCK_TOKENS)
+    serving_trace.write_scaled(None, trace, requests=s.requests, tokens_per_block=BLOCK_TOKENS)
     faults = ["none", *(f for f in s.faults if f != "none")]
     results: list[FaultResult] = []
     for fault in faults:

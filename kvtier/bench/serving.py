@@ -5,7 +5,7 @@ configuration gets a fresh server on the tiny local model (``--configs``, by
 default: no offloading; vLLM's own CPU manager behind kvtier's worker; kvtier
 with LRU, with its default policy, and default plus a disk tier) and one run of
 ``vllm bench serve --dataset-name timed_trace`` over the scaled trace
-(``kvtier.bench.traffic``). Regimes: ``paced`` (the trace's arrival times,
+(``kvtier.replay.serving_trace``). Regimes: ``paced`` (the trace's arrival times,
 sped up ``--speedup`` times) and ``saturating`` (``--concurrency`` requests
 always in flight). Configurations are interleaved and their order rotates
 each repeat, so slow phases of a shared machine hit all of them alike.
@@ -32,10 +32,10 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from kvtier.bench import prom
-from kvtier.bench.server import ServerProcess
+from kvtier import prom
 from kvtier.launch import vllm_command
 from kvtier.policies import POLICIES, policy_class
+from kvtier.server_process import ServerProcess
 
 BLOCK_TOKENS = 32
 CONFIGS = ("none", "vllm-lru", "lru", "default", "default+disk")
@@ -317,16 +317,16 @@ def plan(s: BenchSettings) -> list[tuple[int, Scenario, str]]:
 
 def prepare_traces(s: BenchSettings, work: Path) -> dict[str, Path]:
     """The scaled traces, written once into ``work``."""
-    from kvtier.bench import traffic
+    from kvtier.replay import serving_trace
 
     paths = {}
     for kind in s.traffic:
         path = work / f"trace-{kind}.jsonl"
         if kind == "bundled":
-            traffic.write_scaled(s.trace, path, requests=s.requests,
+            serving_trace.write_scaled(s.trace, path, requests=s.requests,
                                  tokens_per_block=BLOCK_TOKENS, output_cap=s.output_cap)
         elif kind == "generated":
-            traffic.write_generated(GENERATED_KIND, s.seed, path, requests=s.requests,
+            serving_trace.write_generated(GENERATED_KIND, s.seed, path, requests=s.requests,
                                     tokens_per_block=BLOCK_TOKENS, output_cap=s.output_cap)
         else:
             raise ValueError(f"unknown traffic {kind!r} (choose from {TRAFFIC})")
@@ -341,11 +341,11 @@ def fit_model_len(s: BenchSettings, traces: dict[str, Path]) -> int:
     Raises ``ValueError`` naming the trace when that request does not fit the
     engine's cache of ``gpu_blocks`` blocks (vLLM would refuse to start).
     """
-    from kvtier.bench import traffic
+    from kvtier.replay import serving_trace
 
     fit = MAX_MODEL_LEN
     for path in traces.values():
-        longest = traffic.longest_request(path)
+        longest = serving_trace.longest_request(path)
         whole = -(-longest // BLOCK_TOKENS) * BLOCK_TOKENS
         if whole > s.gpu_blocks * BLOCK_TOKENS:
             raise ValueError(

@@ -28,10 +28,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from kvtier.bench import prom
-from kvtier.bench.server import ServerProcess
+from kvtier import prom
 from kvtier.demo.tiny_model import kv_bytes_per_block
 from kvtier.demo.workload import Workload
+from kvtier.server_process import ServerProcess
 
 SOURCES = ("device", "host", "disk")
 BLOCK_TOKENS = 32

@@ -37,7 +37,7 @@ have keys: ``Request.block_hashes``), with e engine-hit blocks:
   resumed (preempted) requests are counted apart, not in these.
 
 The trace is replayed as the serving benchmark serves it (``served_requests``:
-``kvtier.bench.traffic.scaled``, 32-token engine blocks, outputs capped, and
+``kvtier.replay.serving_trace.scaled``, 32-token engine blocks, outputs capped, and
 vLLM's client expanding each hash id into one block of tokens,
 ``TimedTrace._expand_prompt``): a request has ``input_length // 512`` full
 blocks and a partial last block, which is never cached, looked up or offered
@@ -59,7 +59,6 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvtier.bench.traffic import DEFAULT_OUTPUT_CAP, scaled
 from kvtier.manager import OffloadManager
 from kvtier.replay.driver import (
     PROGRESS_EVERY,
@@ -78,6 +77,7 @@ from kvtier.replay.engine_schedule import (
     cdiv,
 )
 from kvtier.replay.gpu_cache import GpuPrefixCache
+from kvtier.replay.serving_trace import DEFAULT_OUTPUT_CAP, scaled
 from kvtier.replay.trace import TraceRequest
 from kvtier.request import RequestContext
 
@@ -125,7 +125,7 @@ def served_requests(trace: Iterable[TraceRequest], block_tokens: int = ENGINE_BL
                     output_cap: int = DEFAULT_OUTPUT_CAP) -> list[ServedRequest]:
     """The trace's requests as the serving benchmark sends them to the engine.
 
-    ``kvtier.bench.traffic.scaled`` maps one 512-token trace block to one
+    ``kvtier.replay.serving_trace.scaled`` maps one 512-token trace block to one
     engine block of ``block_tokens`` tokens and caps outputs; vLLM's client
     then expands the hash ids into at most ``input_length`` tokens, one block
     each (so no more than ``block_tokens * len(hash_ids)``). Keys are the

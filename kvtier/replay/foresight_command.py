@@ -7,10 +7,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from kvtier.argtypes import positive_int
-from kvtier.cli import int_list, load_requests
+from kvtier.argtypes import int_list, positive_int
 from kvtier.errors import CommandError
-from kvtier.replay.trace import BUNDLED_TRACE
+from kvtier.replay.trace import BUNDLED_TRACE, load_requests
 
 
 def add_foresight_parser(commands: Any) -> None:

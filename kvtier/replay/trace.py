@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvtier.errors import KVTierError
+from kvtier.errors import CommandError, KVTierError
 
 MOONCAKE_BLOCK_TOKENS = 512
 """Tokens per ``hash_ids`` block in the Mooncake traces."""
@@ -107,3 +107,18 @@ def _decode(raw: bytes, where: str) -> str:
 def load_trace(path: str | Path) -> list[TraceRequest]:
     """All requests of a Mooncake jsonl file."""
     return list(iter_trace(path))
+
+
+def load_requests(path: Path) -> list[TraceRequest]:
+    """The trace's requests; ``CommandError`` when unreadable or empty."""
+    try:
+        requests = load_trace(path)
+    except (FileNotFoundError, IsADirectoryError) as exc:
+        raise CommandError(str(exc)) from None
+    except TraceFormatError as exc:
+        raise CommandError(f"malformed trace: {exc}") from None
+    except OSError as exc:
+        raise CommandError(f"cannot read trace {path}: {exc.strerror or exc}") from None
+    if not requests:
+        raise CommandError(f"{path}: the trace has no requests")
+    return requests

@@ -173,8 +173,13 @@ class TierCascade:
         self._warn = WarningLimiter(logger)
         self._pool = IOPool(io_threads, max_queue)
         self._pool.region = self._region
+        self._init_step_state(max_tracker_size)
+        if any(low.write == "evict" for low in self.lower):
+            manager.set_eviction_listener(self._on_evict)
 
-        # Scheduler-thread state.
+    def _init_step_state(self, max_tracker_size: int) -> None:
+        """The scheduler thread's state: uses per block, due writes, promotions
+        batching and in flight, failed keys, counters and I/O busy time."""
         self._uses = BlockUses([low.threshold for low in self.lower], max_tracker_size,
                                watched=[low.threshold for low in self.lower
                                         if low.write == "store"])
@@ -190,10 +195,8 @@ class TierCascade:
         # Seconds I/O threads spent in each tier's calls: "read" (promotions)
         # and "write" (writes with their presence check); one entry per tier.
         self._busy: dict[str, dict[str, float]] = {
-            kind: dict.fromkeys((t.name for t in tiers), 0.0) for kind in ("read", "write")}
+            kind: dict.fromkeys((t.name for t in self.tiers), 0.0) for kind in ("read", "write")}
         self._store_tier_names = [low.tier.name for low in self.lower if low.write == "store"]
-        if any(low.write == "evict" for low in self.lower):
-            manager.set_eviction_listener(self._on_evict)
 
     # ------------------------------------------------------------ region
     def region(self) -> SlotSource | None:

@@ -258,6 +258,12 @@ class DiskTier(Tier):
             )
         self.free_reserve_bytes = _int_setting("free_reserve_bytes", free_reserve_bytes, 0)
 
+        self._init_index(enable_events, max_events)
+        self._rebuild_index()
+
+    def _init_index(self, enable_events: bool, max_events: int) -> None:
+        """The in-memory state: the index (rebuilt from the files), pending
+        writes, a rescan's changes, counters and events."""
         self._lock = threading.Lock()
         self._index: OrderedDict[bytes, int] = OrderedDict()  # key -> accounted bytes, LRU first
         self._indexed_bytes = 0
@@ -271,6 +277,8 @@ class DiskTier(Tier):
         self._counters = Counters("duplicates", "no_space", "discovered", "tmp_removed")
         self._events = TierEventLog(self.name, enable_events, max_events)
 
+    def _rebuild_index(self) -> None:
+        """Index the block files already on disk (a restart keeps its blocks)."""
         started = time.monotonic()
         self._last_scan = started
         try:
@@ -549,30 +557,7 @@ class DiskTier(Tier):
             self._warn.warning("kvtier disk tier: cannot open %s: %s", path, exc)
             return self._miss(key)
         try:
-            st = os.fstat(fd)
-            hsize = blockfile.header_size(self._ns, key)
-            n = st.st_size - hsize
-            if n < 0:
-                raise CorruptBlockError("truncated", f"{st.st_size} bytes")
-            if n > (self.max_block_bytes or self.capacity_bytes):
-                raise CorruptBlockError("oversized", f"{n} bytes")
-            if dest is None:
-                target = memoryview(bytearray(n))
-            elif n > dest.nbytes:
-                raise CorruptBlockError(
-                    "payload larger than buffer", f"{n} > {dest.nbytes} bytes"
-                )
-            else:
-                target = dest[:n]
-            head = bytearray(hsize)
-            got = _pread_full(fd, [memoryview(head), target], 0)
-            if got != st.st_size:
-                raise CorruptBlockError("truncated", f"read {got} of {st.st_size} bytes")
-            header = blockfile.unpack_header(head, namespace=self._ns, key=key)
-            blockfile.verify(header, target)
-            if self.touch_on_hit:
-                with contextlib.suppress(OSError):
-                    os.utime(fd)
+            n, target, size = self._read_block(fd, key, dest)
         except CorruptBlockError as exc:
             self._corrupt(key, path, fd, exc)
             return None, None
@@ -582,20 +567,54 @@ class DiskTier(Tier):
             return self._miss(key)
         finally:
             os.close(fd)
+        self._note_hit(key, path, size)
+        return n, target
+
+    def _read_block(self, fd: int, key: bytes,
+                    dest: memoryview | None) -> tuple[int, memoryview, int]:
+        """Read and verify the open block file of ``key`` into ``dest`` (a new
+        buffer when None): (payload bytes, the payload's view, file size).
+        ``CorruptBlockError`` when it is not a whole, valid block of ``key``."""
+        st = os.fstat(fd)
+        hsize = blockfile.header_size(self._ns, key)
+        n = st.st_size - hsize
+        if n < 0:
+            raise CorruptBlockError("truncated", f"{st.st_size} bytes")
+        if n > (self.max_block_bytes or self.capacity_bytes):
+            raise CorruptBlockError("oversized", f"{n} bytes")
+        if dest is None:
+            target = memoryview(bytearray(n))
+        elif n > dest.nbytes:
+            raise CorruptBlockError("payload larger than buffer", f"{n} > {dest.nbytes} bytes")
+        else:
+            target = dest[:n]
+        head = bytearray(hsize)
+        got = _pread_full(fd, [memoryview(head), target], 0)
+        if got != st.st_size:
+            raise CorruptBlockError("truncated", f"read {got} of {st.st_size} bytes")
+        header = blockfile.unpack_header(head, namespace=self._ns, key=key)
+        blockfile.verify(header, target)
+        if self.touch_on_hit:
+            with contextlib.suppress(OSError):
+                os.utime(fd)
+        return n, target, st.st_size
+
+    def _note_hit(self, key: bytes, path: str, size: int) -> None:
+        """Count a hit; the key becomes the most recent, indexed if it was not
+        (a file another engine wrote, unless this tier evicted it meanwhile)."""
         with self._lock:
             if key in self._index:
                 self._index.move_to_end(key)
                 adopted = False
-            else:  # a file we did not index: another engine's, unless we evicted it meanwhile
+            else:
                 adopted = key not in self._pending and os.path.exists(path)
                 if adopted:
-                    self._insert_locked(key, _alloc(st.st_size))
+                    self._insert_locked(key, _alloc(size))
             victims = self._evict_locked(0)[0] if adopted else []
         self._counters.add("hits")
         if adopted:
             self._counters.add("discovered")
             self._remove_victims(victims)
-        return n, target
 
     def _miss(self, key: bytes, gone: bool = False) -> tuple[None, None]:
         if gone:

@@ -142,16 +142,7 @@ class RedisTier(Tier):
         max_events: int = 10_000,
         client_options: Mapping[str, Any] | None = None,
     ) -> None:
-        if not isinstance(url, str) or not url:
-            raise TierConfigError(f"redis_url must be a non-empty str, got {type(url).__name__}")
-        self.safe_url = redact_url(url)
-        scheme = url.partition("://")[0].lower() if "://" in url else ""
-        if scheme not in SCHEMES:
-            raise TierConfigError(
-                f"redis_url {self.safe_url!r}: scheme must be one of {list(SCHEMES)}"
-            )
-        if misplaced_at(url):
-            raise TierConfigError(f"redis_url {self.safe_url!r}: {MISPLACED_AT_HINT}")
+        self.safe_url, scheme = _checked_url(url)
         try:
             self.namespace = check_namespace(namespace)
         except (TypeError, ValueError) as exc:
@@ -172,11 +163,7 @@ class RedisTier(Tier):
         self._prefix = f"{key_prefix}:{self.namespace}:".encode()
         self._ns = self.namespace.encode()
         self._url = url.replace("+cluster://", "://", 1) if "+cluster://" in url else url
-        self._options: dict[str, Any] = dict(client_options or {})
-        if password_env is not None and urlsplit(self._url).password is None:
-            secret = os.environ.get(password_env)
-            if secret and "password" not in self._options:
-                self._options["password"] = secret
+        self._options = _options_with_password(self._url, client_options, password_env)
         self._secrets = _secret_values(self._url, self._options)
         self._last_failure = ""
         self._client_obj: Any = None
@@ -607,3 +594,30 @@ def _seconds(name: str, value: object) -> float:
         raise TierConfigError(f"redis tier: {name} must be a number of seconds > 0, got "
                               f"{value!r}")
     return float(value)
+
+
+def _checked_url(url: object) -> tuple[str, str]:
+    """(``url`` with its password hidden, its scheme); ``TierConfigError`` when
+    it cannot name a Redis server."""
+    if not isinstance(url, str) or not url:
+        raise TierConfigError(f"redis_url must be a non-empty str, got {type(url).__name__}")
+    safe = redact_url(url)
+    scheme = url.partition("://")[0].lower() if "://" in url else ""
+    if scheme not in SCHEMES:
+        raise TierConfigError(f"redis_url {safe!r}: scheme must be one of {list(SCHEMES)}")
+    if misplaced_at(url):
+        raise TierConfigError(f"redis_url {safe!r}: {MISPLACED_AT_HINT}")
+    return safe, scheme
+
+
+def _options_with_password(url: str, client_options: Mapping[str, Any] | None,
+                           password_env: str | None) -> dict[str, Any]:
+    """The client's options: ``client_options``, plus the password from the
+    environment variable ``password_env`` when neither the URL nor the options
+    carry one."""
+    options: dict[str, Any] = dict(client_options or {})
+    if password_env is not None and urlsplit(url).password is None:
+        secret = os.environ.get(password_env)
+        if secret and "password" not in options:
+            options["password"] = secret
+    return options
