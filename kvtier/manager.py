@@ -6,7 +6,6 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from kvtier.admission import AdmissionTracker
 from kvtier.argtypes import require_positive_int
 from kvtier.errors import MissingBlocksError, ProtocolError
 from kvtier.events import Event, EventLog
@@ -23,6 +22,7 @@ from kvtier.leases import (
 from kvtier.policies import EvictionPolicy, make_policy
 from kvtier.request import RequestContext
 from kvtier.results import LoadSpec, LookupResult, PrepareStoreOutput
+from kvtier.store_gate import StoreGate
 
 MAX_MISSING_DETAILS = 16
 """Missing keys described one by one in a ``MissingBlocksError``."""
@@ -32,8 +32,9 @@ class OffloadManager:
     """Decides which KV blocks occupy the ``num_blocks`` CPU slots; never touches bytes.
 
     Owns the block table (key -> slot), the holds on its blocks (writes,
-    pins, leases: :class:`~kvtier.holds.BlockHolds`), the free slots,
-    the eviction policy, the admission tracker, the lease table, the eviction
+    pins, leases: :class:`~kvtier.holds.BlockHolds`), the free slots, the
+    eviction policy, the store gate (admission:
+    :class:`~kvtier.store_gate.StoreGate`), the lease table, the eviction
     history, the event log and the counters. Invariants:
 
     * resident blocks + free slots == ``num_blocks``; slot ids are unique;
@@ -67,13 +68,9 @@ class OffloadManager:
     ) -> None:
         self.num_blocks = require_positive_int("num_blocks", num_blocks)
         self.policy: EvictionPolicy = make_policy(policy, num_blocks)
-        self.policy_admission = True
-        """Whether the policy's ``admit`` may decline new blocks (when it
-        ``wants_admission``); a ``TierCascade`` turns it off, since the tiers
-        below store what the CPU tier stores."""
-        tracker = AdmissionTracker(store_threshold, max_tracker_size)
+        self.store_gate = StoreGate(self.policy, store_threshold, max_tracker_size)
+        """Which new blocks of an offer are stored (offer count, then the policy)."""
         self.store_threshold = store_threshold
-        self._tracker = tracker if store_threshold >= 2 else None
         self._history = EvictionHistory(eviction_history_size)
         self._events = EventLog(bool(enable_events), max_events)
         total = max(1, num_blocks // 2) if max_leased_blocks is None else max_leased_blocks
@@ -98,7 +95,7 @@ class OffloadManager:
 
     def _reset_counters(self) -> None:
         self.hits = self.misses = self.stores = self.evictions = 0
-        self.stores_skipped = self.allocation_failures = 0
+        self.allocation_failures = 0
 
     # -- request state -------------------------------------------------------
 
@@ -295,10 +292,8 @@ class OffloadManager:
         self._sync(ctx)
         keys = check_keys(keys)
         candidates = self._record_offer(keys, ctx)
-        if candidates and self._tracker is not None:
-            candidates = self._admit(candidates, ctx)
-        if candidates and self.policy_admission and self.policy.wants_admission:
-            candidates = self._policy_admit(candidates, ctx)
+        if candidates:
+            candidates = self.store_gate.admit(candidates, ctx)
         if not candidates:
             return PrepareStoreOutput([], [], [])
         if self.policy.wants_store_misses:
@@ -328,34 +323,6 @@ class OffloadManager:
         if ctx.inserted:
             ready = ready - ctx.inserted
         ctx.reused |= ready
-
-    def _admit(self, candidates: list[bytes], ctx: RequestContext) -> list[bytes]:
-        if self._tracker is None:
-            return candidates
-        admitted, skipped = self._tracker.record(candidates, ctx.counted)
-        if skipped:
-            self._count_skips(skipped, ctx)
-        return admitted
-
-    def _count_skips(self, declined: list[bytes], ctx: RequestContext) -> None:
-        """Add the declined keys ``ctx`` has not had declined before to ``stores_skipped``."""
-        seen = ctx.skipped
-        new_skips = [k for k in declined if k not in seen] if seen else declined
-        seen.update(new_skips)
-        self.stores_skipped += len(new_skips)
-
-    def _policy_admit(self, candidates: list[bytes], ctx: RequestContext) -> list[bytes]:
-        """The leading candidates the policy stores; the rest are declined (reported
-        once per request in ``stores_skipped``; they stay in the request's access)."""
-        n = self.policy.admit(candidates)
-        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= len(candidates):
-            raise ProtocolError(
-                f"{type(self.policy).__name__}.admit returned {n!r}, not an int in "
-                f"0..{len(candidates)}")
-        if n == len(candidates):
-            return candidates
-        self._count_skips(candidates[n:], ctx)
-        return candidates[:n]
 
     def _show_store_misses(self, candidates: list[bytes], ctx: RequestContext) -> None:
         checked = ctx.ghost_checked
@@ -579,8 +546,7 @@ class OffloadManager:
         self._free = list(range(self.num_blocks - 1, -1, -1))
         self.policy.clear()
         self._holds.clear(self.policy.blocked)  # a policy may rebind it in clear()
-        if self._tracker is not None:
-            self._tracker.clear()
+        self.store_gate.clear()
         self._leases.clear()
         self._history.clear()
 
@@ -604,7 +570,7 @@ class OffloadManager:
             "misses": self.misses,
             "stores": self.stores,
             "evictions": self.evictions,
-            "stores_skipped": self.stores_skipped,
+            "stores_skipped": self.store_gate.skipped,
             "allocation_failures": self.allocation_failures,
             "events_dropped": self._events.dropped,
         }
@@ -615,7 +581,7 @@ class OffloadManager:
     def admission_count(self, key: bytes) -> int:
         """How many requests offered ``key`` (0 when untracked or threshold < 2)."""
         check_keys((key,))
-        return 0 if self._tracker is None else self._tracker.count(key)
+        return self.store_gate.offers(key)
 
     def contains(self, key: bytes) -> bool:
         """Whether ``key`` is resident (ready or write-pending)."""
@@ -635,7 +601,7 @@ class OffloadManager:
         ``policy``: the policy's ``sizes()`` (its docstring states the bounds).
         """
         state: dict[str, Any] = {
-            "tracker_size": 0 if self._tracker is None else len(self._tracker),
+            "tracker_size": len(self.store_gate),
             "history_size": len(self._history),
             "leases_held": self._leases.held,
             "lease_holders": len(self._leases),

@@ -160,7 +160,7 @@ class TierCascade:
         # The tiers below are fed from the CPU tier's slots: a block the CPU
         # policy declined would reach none of them, so the policy's own
         # admission (sized for the CPU tier alone) is off under a cascade.
-        manager.policy_admission = False
+        manager.store_gate.policy_admission = False
         self.tiers = list(tiers)
         probes = (probe_ttl_s, probe_timeout_s, max_probes) if async_lookups else None
         self.lower = lower_tiers(self.tiers, write_policy, store_threshold, probes)

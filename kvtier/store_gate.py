@@ -1,0 +1,79 @@
+"""The store gate: which new blocks of an offer the CPU tier stores.
+
+Two admissions, applied in order to the new keys of one offer: the offer
+count (``store_threshold``, an :class:`~kvtier.admission.AdmissionTracker`),
+then the policy's own (``EvictionPolicy.admit``, for a policy that
+``wants_admission``). Eviction is not the gate's business: what passes it
+still needs slots (``OffloadManager._make_room``).
+"""
+
+from __future__ import annotations
+
+from kvtier.admission import AdmissionTracker
+from kvtier.errors import ProtocolError
+from kvtier.policies import EvictionPolicy
+from kvtier.request import RequestContext
+
+
+class StoreGate:
+    """Filters an offer's new keys; counts each key it declines once per request.
+
+    Owns the admission tracker (None while ``store_threshold < 2``: every
+    offer passes it), the switch ``policy_admission`` and the counter
+    ``skipped``. Invariants: what passes is a subsequence of the candidates
+    in their order, and what the policy declines is a suffix (so a stored
+    block's prefix is stored with it); a key declined again by the same
+    request is not counted again (the request's ``skipped`` set, bounded by
+    its offers). Memory: the tracker's, at most ``max_tracker_size`` keys.
+    """
+
+    __slots__ = ("_policy", "_tracker", "policy_admission", "skipped")
+
+    def __init__(self, policy: EvictionPolicy, store_threshold: int,
+                 max_tracker_size: int) -> None:
+        tracker = AdmissionTracker(store_threshold, max_tracker_size)  # checks both
+        self._policy = policy
+        self._tracker = tracker if store_threshold >= 2 else None
+        self.policy_admission = True
+        """Whether the policy's ``admit`` may decline new blocks (when it
+        ``wants_admission``); a ``TierCascade`` turns it off, since the tiers
+        below store what the CPU tier stores."""
+        self.skipped = 0
+        """Keys declined, each once per request (``stats()["stores_skipped"]``)."""
+
+    def __len__(self) -> int:
+        """Keys the tracker counts offers of."""
+        return 0 if self._tracker is None else len(self._tracker)
+
+    def offers(self, key: bytes) -> int:
+        """How many requests offered ``key`` (0 when untracked or threshold < 2)."""
+        return 0 if self._tracker is None else self._tracker.count(key)
+
+    def admit(self, candidates: list[bytes], ctx: RequestContext) -> list[bytes]:
+        """The candidates (distinct new keys of ``ctx``'s offer) to store."""
+        if self._tracker is not None:
+            candidates, declined = self._tracker.record(candidates, ctx.counted)
+            if declined:
+                self._count(declined, ctx)
+        if candidates and self.policy_admission and self._policy.wants_admission:
+            n = self._policy.admit(candidates)
+            if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= len(candidates):
+                raise ProtocolError(
+                    f"{type(self._policy).__name__}.admit returned {n!r}, not an int in "
+                    f"0..{len(candidates)}")
+            if n < len(candidates):
+                self._count(candidates[n:], ctx)
+                candidates = candidates[:n]
+        return candidates
+
+    def _count(self, declined: list[bytes], ctx: RequestContext) -> None:
+        """Add the keys ``ctx`` has not had declined before to ``skipped``."""
+        seen = ctx.skipped
+        new = [k for k in declined if k not in seen] if seen else declined
+        seen.update(new)
+        self.skipped += len(new)
+
+    def clear(self) -> None:
+        """Forget the offer counts (``skipped`` is a counter and stays)."""
+        if self._tracker is not None:
+            self._tracker.clear()
