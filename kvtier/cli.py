@@ -125,6 +125,21 @@ def _add_replay(commands: Any) -> None:
                    help="plot hit ratio against capacity, one line per policy, OPT dashed")
     p.add_argument("--json", action="store_true", help="one JSON object per line")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--limit-requests", type=positive_int, default=None, metavar="M",
+                   help="replay only the first M requests of the trace")
+    p.add_argument("--key-seed", type=non_negative_int, default=0, metavar="S",
+                   help="replay the trace under other block hashes (default 0: its own): "
+                   "the default policy's shadow caches sample blocks by their hash, so "
+                   "each S >= 1 is another draw of that sample, as another deployment's "
+                   "block hashes are (kvtier.replay.rekey)")
+    _add_replay_driver_options(p)
+    _add_replay_disk_options(p)
+    _add_replay_gpu_options(p)
+    p.set_defaults(func=cmd_replay)
+
+
+def _add_replay_driver_options(p: Any) -> None:
+    """``kvtier replay``'s request order: one at a time, or the engine driver's."""
     p.add_argument("--driver", choices=("sequential", "engine"), default="sequential",
                    help="sequential: the README's one-at-a-time order (default); engine: "
                    "requests in flight together, late out-of-order completions, "
@@ -136,6 +151,10 @@ def _add_replay(commands: Any) -> None:
     p.add_argument("--preempt", type=float, default=0.0, metavar="P",
                    help="engine driver: probability a request is preempted (default 0)")
     p.add_argument("--seed", type=int, default=0, help="engine driver: random seed")
+
+
+def _add_replay_disk_options(p: Any) -> None:
+    """``kvtier replay`` through the tier cascade with a real disk tier."""
     p.add_argument("--disk-blocks", type=positive_int, default=None, metavar="N",
                    help="replay through the tier cascade, CPU slots then a real disk tier "
                    "of N blocks (write-through unless --disk-write-policy evict), and "
@@ -148,13 +167,10 @@ def _add_replay(commands: Any) -> None:
                    metavar="store|evict[,...]",
                    help="with --disk-blocks: 'store' writes admitted blocks through on "
                    "store (default), 'evict' writes them when the CPU tier evicts them")
-    p.add_argument("--limit-requests", type=positive_int, default=None, metavar="M",
-                   help="replay only the first M requests of the trace")
-    p.add_argument("--key-seed", type=non_negative_int, default=0, metavar="S",
-                   help="replay the trace under other block hashes (default 0: its own): "
-                   "the default policy's shadow caches sample blocks by their hash, so "
-                   "each S >= 1 is another draw of that sample, as another deployment's "
-                   "block hashes are (kvtier.replay.rekey)")
+
+
+def _add_replay_gpu_options(p: Any) -> None:
+    """``kvtier replay`` behind a model of vLLM's own prefix cache."""
     p.add_argument("--gpu-blocks", type=positive_int, default=None, metavar="N",
                    help="put a model of vLLM's own prefix cache of N engine blocks (its "
                    "--num-gpu-blocks-override, one is vLLM's null block) in front of kvtier, "
@@ -170,7 +186,6 @@ def _add_replay(commands: Any) -> None:
                    "dry (a saturated server: vllm:num_requests_waiting > 0) with N batched "
                    "tokens per step (vLLM's max_num_batched_tokens, 2048 on the CPU "
                    "platform's server) instead of a fixed number in flight")
-    p.set_defaults(func=cmd_replay)
 
 
 def _add_generate(commands: Any) -> None:
