@@ -1,6 +1,7 @@
-"""Crash drills (``kvtier.bench.drills``): engines and tier writers SIGKILLed
-mid-write on one disk tier directory, and redis-server SIGKILLed mid-pipeline
-under a serving engine, first without persistence, then with AOF.
+"""Crash drills (``kvtier.bench.disk_drill``, ``kvtier.bench.redis_drill``):
+engines and tier writers SIGKILLed mid-write on one disk tier directory, and
+redis-server SIGKILLed mid-pipeline under a serving engine, first without
+persistence, then with AOF.
 
     python benchmarks/drill_crash.py --rounds 20 [--redis-kills 3] [--seed N] [--json]
                                      [--dir DIR] [--model DIR] [--skip-disk] [--skip-redis]
@@ -22,13 +23,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from kvtier.bench.drills import (
-    DiskDrillReport,
-    RedisDrillReport,
-    drill_reference,
-    run_disk_drill,
-    run_redis_drill,
-)
+from kvtier.bench.disk_drill import DiskDrillReport, run_disk_drill
+from kvtier.bench.drills import drill_reference
+from kvtier.bench.redis_drill import RedisDrillReport, run_redis_drill
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -16,15 +16,15 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.bench.drill_writer import WRITER_NAMESPACE, drill_key, drill_payload, torn_path
-from kvtier.bench.drills import (
+from kvtier.bench.disk_drill import (
+    ACKED_CHECKED,
     DiskDrillSettings,
-    Reference,
     check_directory,
-    drill_reference,
     run_disk_drill,
-    run_redis_drill,
 )
+from kvtier.bench.drill_writer import WRITER_NAMESPACE, drill_key, drill_payload, torn_path
+from kvtier.bench.drills import Reference, drill_reference
+from kvtier.bench.redis_drill import run_redis_drill
 from kvtier.tiers import DiskTier, blockfile
 
 FAST = DiskDrillSettings(delay_s=(0.05, 0.6))
@@ -45,7 +45,10 @@ def test_writer_only_disk_drill_keeps_every_guarantee(tmp_path: Path) -> None:
         assert c.bad == 0 and c.wrong_reads == 0 and c.acked_missing == 0
         assert c.files > 0 and c.indexed == c.files and c.index_consistent
         assert c.temp_removed == c.temp_files and c.temp_left == 0
-        assert c.acked_checked == 8 and c.writer_blocks_read == c.files
+        # the last ACKED_CHECKED acknowledged blocks, fewer when the kill came
+        # sooner (a slow start on a loaded machine)
+        assert c.acked_checked == min(ACKED_CHECKED, r.writer_acked)
+        assert c.writer_blocks_read == c.files
     assert report.to_dict()["totals"]["rounds"] == 6
     assert "all guarantees held" in report.table()
 
