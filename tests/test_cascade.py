@@ -241,7 +241,7 @@ def test_corrupt_disk_file_is_a_miss_not_a_hang(tmp_path: Path, region: SlotRegi
     try:
         store(c, region, [0])
         evict_all(c, region)
-        path = Path(tier._file(block_key(0)))
+        path = Path(tier.dir.file(block_key(0)))
         raw = bytearray(path.read_bytes())
         raw[-100] ^= 0x40
         path.write_bytes(raw)
@@ -265,7 +265,7 @@ def test_failed_key_is_retried_after_its_ttl(tmp_path: Path, region: SlotRegion)
         store(c, region, [0])
         evict_all(c, region)
         k = block_key(0)
-        Path(tier._file(k)).write_bytes(b"junk")  # present, unreadable
+        Path(tier.dir.file(k)).write_bytes(b"junk")  # present, unreadable
         ctx = RequestContext("r")
         assert settle(c, k, ctx) is MISS
         time.sleep(0.06)

@@ -29,7 +29,7 @@ from kvtier.secrets import redact_url, split_url_password
 from kvtier.slots import SlotRegion
 from kvtier.slots.region import default_shm_dir
 from kvtier.tiers import DiskTier, KVLayout, TierConfigError, TierUnavailableError
-from kvtier.tiers.disk import LAYOUT_DIR, MANIFEST_NAME
+from kvtier.tiers.disk_dir import LAYOUT_DIR, MANIFEST_NAME
 from kvtier.tiers.redis_server import RedisServer, TLSFiles, free_port
 from kvtier.vllm.settings import ConfigError, KVTierSettings
 
@@ -518,8 +518,8 @@ def test_disk_tenants_never_read_each_other(tmp_path: Path) -> None:
     assert tier_a.contains([block_key(9)]) == [False] and tier_a.get([block_key(9)]) == [None]
     assert tier_a.get(keys[:1])[0] is not None  # A still reads its own
     # Adversarial: A's file copied to the very path B reads fails B's header check.
-    src = Path(tier_a._file(keys[0]))
-    dst = Path(tier_b._file(keys[0]))
+    src = Path(tier_a.dir.file(keys[0]))
+    dst = Path(tier_b.dir.file(keys[0]))
     shutil.copy(src, dst)
     assert tier_b.get([keys[0]]) == [None]
     assert tier_b.stats()["corrupt"] == 1 and not dst.exists()

@@ -18,7 +18,8 @@ from kvtier.replay.mix import TrafficMix
 from kvtier.replay.soak import Sample, SoakConfig, bounds, flatten, run_soak, violations
 from kvtier.replay.tiered import NAMESPACE
 from kvtier.request import RequestContext
-from kvtier.tiers.disk import ALLOC_UNIT, DiskTier
+from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.disk_dir import ALLOC_UNIT
 from kvtier.tiers.io_pool import IOPool, ProbeJob
 from kvtier.tiers.redis_server import find_server_binary
 

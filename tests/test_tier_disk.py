@@ -17,7 +17,7 @@ import pytest
 from kvtier import block_key
 from kvtier.slots import SlotRegion
 from kvtier.tiers import DiskTier, KVLayout, TierConfigError
-from kvtier.tiers.disk import ALLOC_UNIT, LAYOUT_DIR, MANIFEST_NAME
+from kvtier.tiers.disk_dir import ALLOC_UNIT, LAYOUT_DIR, MANIFEST_NAME
 
 NS = KVLayout("test-model", "bfloat16", 16, 2, 2, 64).namespace()
 OTHER_NS = KVLayout("test-model", "float16", 16, 2, 2, 64).namespace()
@@ -130,7 +130,7 @@ def test_namespaces_do_not_mix(tmp_path: Path) -> None:
     assert other.get([block_key(1)]) == [None]
     # A file planted under the wrong namespace's directory is rejected by its header.
     src = block_files(tmp_path / LAYOUT_DIR / NS)[0]
-    dst = other._file(block_key(1))
+    dst = other.dir.file(block_key(1))
     shutil.copy(src, dst)
     assert other.get([block_key(1)]) == [None]
     assert other.stats()["corrupt"] == 1 and not os.path.exists(dst)
@@ -142,7 +142,7 @@ def test_flipped_byte_is_a_miss_and_the_file_is_removed(tmp_path: Path, where: s
     tier = make(tmp_path)
     key = block_key(3)
     tier.put([(key, payload(3)), (block_key(4), payload(4))])
-    path = Path(tier._file(key))
+    path = Path(tier.dir.file(key))
     raw = bytearray(path.read_bytes())
     offset = {"payload": len(raw) - 100, "header": 20, "key": 40 + len(NS) + 2}[where]
     raw[offset] ^= 0x40
@@ -164,7 +164,7 @@ def test_truncated_file_is_a_miss(tmp_path: Path, keep: int) -> None:
     tier = make(tmp_path)
     key = block_key(5)
     tier.put([(key, payload(5))])
-    path = Path(tier._file(key))
+    path = Path(tier.dir.file(key))
     os.truncate(path, keep)
     assert tier.get([key]) == [None]
     assert not path.exists()
@@ -182,7 +182,7 @@ def test_block_removed_by_someone_else_is_a_miss(tmp_path: Path) -> None:
     tier = make(tmp_path)
     tier.put([(block_key(1), payload(1))])
     tier.take_events()
-    os.unlink(tier._file(block_key(1)))
+    os.unlink(tier.dir.file(block_key(1)))
     assert tier.get([block_key(1)]) == [None]
     assert tier.stats()["blocks"] == 0 and tier.stats()["corrupt"] == 0
     assert [(e.kind, e.detail) for e in tier.take_events()] == [("removed", "gone")]
@@ -191,7 +191,7 @@ def test_block_removed_by_someone_else_is_a_miss(tmp_path: Path) -> None:
 def test_leftover_temp_files_are_ignored_and_cleaned(tmp_path: Path) -> None:
     tier = make(tmp_path)
     tier.put([(block_key(1), payload(1))])
-    sub = Path(tier._subdir(block_key(2)))
+    sub = Path(tier.dir.subdir(block_key(2)))
     probe = subprocess.Popen(["true"])  # its pid is one that has exited
     probe.wait()
     half = payload(2).tobytes()[: SIZE // 2]
@@ -337,7 +337,7 @@ def test_restart_with_smaller_capacity_trims_oldest(tmp_path: Path) -> None:
     tier = make(tmp_path)
     for i in range(6):
         tier.put([(block_key(i), payload(i))])
-        os.utime(tier._file(block_key(i)), (1000 + i, 1000 + i))
+        os.utime(tier.dir.file(block_key(i)), (1000 + i, 1000 + i))
     small = make(tmp_path, capacity=3 * file_bytes())
     assert small.contains([block_key(i) for i in range(6)]) == [False] * 3 + [True] * 3
     assert len(block_files(tmp_path)) == 3

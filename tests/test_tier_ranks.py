@@ -116,7 +116,7 @@ def test_a_corrupt_shard_fails_the_whole_promotion(
         evict(c, regions)
         rank1 = tier.ranks[1]
         assert isinstance(rank1, DiskTier)
-        path = Path(rank1._file(block_key(0)))
+        path = Path(rank1.dir.file(block_key(0)))
         raw = bytearray(path.read_bytes())
         raw[-1] ^= 0xFF  # rank 1's shard only; rank 0's is intact
         path.write_bytes(bytes(raw))

@@ -18,7 +18,7 @@ from kvtier import block_key
 from kvtier.cli import main
 from kvtier.tiers import DiskTier, KVLayout
 from kvtier.tiers.blockfile import header_size
-from kvtier.tiers.disk import LAYOUT_DIR, fan_out_index
+from kvtier.tiers.disk_dir import LAYOUT_DIR, fan_out_index
 from kvtier.tiers.redis_server import RedisServer, find_server_binary, free_port
 
 NS_A = KVLayout("tools-model", "bfloat16", 16, 2, 2, 64).namespace()

@@ -41,7 +41,7 @@ import xxhash
 from kvtier.keys import block_key
 from kvtier.tiers import blockfile
 from kvtier.tiers.base import Tier
-from kvtier.tiers.disk import BLOCK_SUFFIX, LAYOUT_DIR, fan_out_index
+from kvtier.tiers.disk_dir import BLOCK_SUFFIX, LAYOUT_DIR, fan_out_index
 
 WriterMode = Literal["disk", "redis", "torn"]
 WRITER_NAMESPACE = "drill-writer"

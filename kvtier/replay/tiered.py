@@ -53,7 +53,8 @@ from kvtier.results import LookupResult
 from kvtier.slots.region import SlotRegion
 from kvtier.tiers.base import Tier
 from kvtier.tiers.cascade import WRITE_POLICIES, TierCascade, WritePolicy
-from kvtier.tiers.disk import ALLOC_UNIT, DiskTier
+from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.disk_dir import ALLOC_UNIT
 from kvtier.tiers.namespace import KVLayout
 
 DEFAULT_SLOT_BYTES = 64

@@ -1,12 +1,7 @@
 """The disk tier: one checksummed file per block under a local directory.
 
-Layout (every directory 0700, every file 0600, owned by the engine's user)::
-
-    <path>/kvtier-v1/<namespace>/<xx>/<key hex>.kvb      a block (blockfile format)
-    <path>/kvtier-v1/<namespace>/<xx>/.<name>.<pid>.<n>.tmp   a write in progress
-
-``xx`` is a byte of the key's xxh3 hash (256 subdirectories, so no directory
-grows past a few thousand entries per million blocks). A block is written to a
+The directory's layout, its creation and its scan are
+:mod:`kvtier.tiers.disk_dir`'s. A block is written to a
 temp file in the same directory, then renamed over its final name, so a reader
 sees either no file or a whole one; every read checks the header and checksum,
 and a bad file is a miss, removed, counted (``corrupt``) and reported (event).
@@ -43,20 +38,14 @@ from __future__ import annotations
 import contextlib
 import errno
 import itertools
-import json
 import logging
 import os
-import re
 import stat
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
 
-import xxhash
-
-from kvtier.slots.region import pid_alive
 from kvtier.tiers import blockfile
 from kvtier.tiers.base import (
     Counters,
@@ -70,36 +59,27 @@ from kvtier.tiers.base import (
     check_items,
 )
 from kvtier.tiers.blockfile import BytesLike, CorruptBlockError
+from kvtier.tiers.disk_dir import (
+    ALLOC_UNIT,
+    O_WRITE,
+    Scanned,
+    TierDirectory,
+    allocated,
+    unlink_quietly,
+    write_full,
+)
 from kvtier.tiers.namespace import check_namespace
 
 logger = logging.getLogger(__name__)
 
-LAYOUT_DIR = "kvtier-v1"
-MANIFEST_NAME = "namespace.json"
-"""A namespace's manifest: what the engine that created it said about itself
-(model name, KV dtype, rank: for operators; never a salt), written once."""
-BLOCK_SUFFIX = ".kvb"
-TMP_SUFFIX = ".tmp"
-FAN_OUT = 256
-ALLOC_UNIT = 4096
-"""Bytes accounted per file are rounded up to this (a file system block)."""
 MAX_DISK_KEY_BYTES = 120
 """Longest key the disk tier stores (file names are the key in hex)."""
 DEFAULT_RESERVE_FRACTION = 0.05
 DEFAULT_RESERVE_CAP = 1 << 30
 TMP_MAX_AGE_S = 600.0
 """Default age after which a temp file is stale even if its writer's pid seems alive."""
-_TMP_NAME = re.compile(r"\.(\d+)\.\d+\.tmp$")
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 _O_READ = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
-_O_WRITE = (
-    os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
-    | getattr(os, "O_NOFOLLOW", 0)
-)
-
-
-def _alloc(size: int) -> int:
-    return -(-size // ALLOC_UNIT) * ALLOC_UNIT
 
 
 def statvfs_free_bytes(path: str) -> int:
@@ -122,63 +102,6 @@ def _pread_full(fd: int, buffers: list[memoryview], offset: int) -> int:
         if buffers and n:
             buffers[0] = buffers[0][n:]
     return total
-
-
-def _write_full(fd: int, buffers: list[memoryview]) -> None:
-    while buffers:
-        n = os.writev(fd, buffers)
-        while buffers and n >= buffers[0].nbytes:
-            n -= buffers[0].nbytes
-            buffers.pop(0)
-        if buffers and n:
-            buffers[0] = buffers[0][n:]
-
-
-def fan_out_index(key: bytes) -> int:
-    """Index of the subdirectory (named ``f"{index:02x}"``) holding ``key``'s file."""
-    return xxhash.xxh3_64_intdigest(key) & (FAN_OUT - 1)
-
-
-def is_temp_name(name: str) -> bool:
-    """Whether ``name`` is a disk tier temp file's (``.<...>.tmp``, a write in progress)."""
-    return name.startswith(".") and name.endswith(TMP_SUFFIX)
-
-
-def stale_temp(name: str, age_s: float, max_age_s: float, me: int | None = None) -> bool:
-    """Whether a temp file is left over: older than ``max_age_s``, or written by a
-    pid (from its name) other than ``me`` that no longer runs."""
-    if age_s > max_age_s:
-        return True
-    match = _TMP_NAME.search(name)
-    if match is None:
-        return False
-    pid = int(match.group(1))
-    return pid != me and not pid_alive(pid)
-
-
-def _make_private_dirs(path: Path) -> None:
-    """Create ``path`` and its missing parents, each 0700 (``os.makedirs`` would
-    give the parents the umask's mode: 0777 under umask 0). Existing ones stay."""
-    missing: list[Path] = []
-    while not os.path.lexists(path):
-        missing.append(path)
-        if path.parent == path:
-            break
-        path = path.parent
-    for directory in reversed(missing):
-        with contextlib.suppress(FileExistsError):  # another engine made it meanwhile
-            os.mkdir(directory, 0o700)
-
-
-def _unlink_quietly(path: str) -> bool:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        return False
-    except OSError as exc:
-        logger.warning("kvtier disk tier: cannot remove %s: %s", path, exc)
-        return False
-    return True
 
 
 class DiskTier(Tier):
@@ -245,12 +168,11 @@ class DiskTier(Tier):
         self._free_space = free_space or statvfs_free_bytes
         self._warn = WarningLimiter(logger)
 
-        self.path = Path(path)
-        self.root = self.path / LAYOUT_DIR / self.namespace
-        self._subdirs = [str(self.root / f"{i:02x}") for i in range(FAN_OUT)]
-        self._make_dirs()
+        self.dir = TierDirectory(path, self.namespace)
+        self.path, self.root = self.dir.path, self.dir.root
+        self.dir.make()
         if manifest is not None:
-            self._write_manifest(manifest)
+            self.dir.write_manifest(manifest)
         if free_reserve_bytes is None:
             st = os.statvfs(self.root)
             free_reserve_bytes = min(
@@ -292,69 +214,6 @@ class DiskTier(Tier):
             self.root, blocks, self._indexed_bytes, self.rebuild_s,
         )
 
-    # ------------------------------------------------------------------ setup
-    def _make_dirs(self) -> None:
-        try:
-            if self.path.exists() and not self.path.is_dir():
-                raise TierConfigError(f"disk_path {self.path} exists and is not a directory")
-            _make_private_dirs(self.path)
-            for directory in (self.path / LAYOUT_DIR, self.root):
-                self._own_dir(directory)
-            for sub in self._subdirs:
-                self._own_dir(Path(sub))
-        except OSError as exc:
-            raise TierConfigError(f"disk_path {self.path}: cannot use it: {exc}") from None
-
-    def _write_manifest(self, manifest: Mapping[str, object]) -> None:
-        """Write the namespace's manifest unless one exists (temp file, rename;
-        0600). Best effort: a manifest is for operators, never needed to serve."""
-        final = self.root / MANIFEST_NAME
-        if final.exists():
-            return
-        tmp = self.root / f".{MANIFEST_NAME}.{os.getpid()}.0{TMP_SUFFIX}"
-        try:
-            fd = os.open(tmp, _O_WRITE, 0o600)
-            try:
-                _write_full(fd, [memoryview(json.dumps(dict(manifest), sort_keys=True,
-                                                       default=str).encode())])
-            finally:
-                os.close(fd)
-            os.replace(tmp, final)
-        except OSError as exc:
-            _unlink_quietly(str(tmp))
-            logger.warning("kvtier disk tier: cannot write %s: %s", final, exc)
-
-    def _remake_dirs(self) -> None:
-        """Recreate removed directories while serving (errors as ``OSError``)."""
-        try:
-            self._make_dirs()
-        except TierConfigError as exc:
-            raise OSError(errno.ENOENT, str(exc)) from None
-
-    def _own_dir(self, directory: Path) -> None:
-        """Create ``directory`` 0700, or check an existing one is ours and private."""
-        try:
-            os.mkdir(directory, 0o700)
-            return
-        except FileExistsError:
-            pass
-        st = os.lstat(directory)
-        if not stat.S_ISDIR(st.st_mode):
-            raise TierConfigError(f"disk tier: {directory} is not a directory")
-        if st.st_uid != os.geteuid():
-            raise TierConfigError(
-                f"disk tier: {directory} belongs to uid {st.st_uid}, not this process's "
-                f"uid {os.geteuid()}; engines sharing a cache directory must run as one user"
-            )
-        if stat.S_IMODE(st.st_mode) != 0o700:
-            os.chmod(directory, 0o700)
-
-    def _subdir(self, key: bytes) -> str:
-        return self._subdirs[fan_out_index(key)]
-
-    def _file(self, key: bytes) -> str:
-        return f"{self._subdir(key)}/{key.hex()}{BLOCK_SUFFIX}"
-
     def _check_key(self, key: bytes) -> None:
         if len(key) > MAX_DISK_KEY_BYTES:
             raise ValueError(
@@ -366,52 +225,15 @@ class DiskTier(Tier):
             raise ValueError(f"disk tier {self.root} is closed")
 
     # ------------------------------------------------------------------ scan
-    def _scan(self) -> list[tuple[float, bytes, int]]:
-        """``(mtime, key, accounted bytes)`` of every block file, oldest first.
-
-        Removes temp files of dead writers and old ones on the way.
-        """
-        found: list[tuple[float, bytes, int]] = []
-        now = time.time()
-        me = os.getpid()
-        tmp_removed = 0
-        for sub in self._subdirs:
-            try:
-                entries = os.scandir(sub)
-            except FileNotFoundError:
-                self._remake_dirs()
-                continue
-            with entries:
-                for entry in entries:
-                    name = entry.name
-                    if name.endswith(BLOCK_SUFFIX) and name[0] != ".":
-                        try:
-                            key = bytes.fromhex(name[: -len(BLOCK_SUFFIX)])
-                            st = entry.stat(follow_symlinks=False)
-                        except (ValueError, OSError):
-                            continue
-                        if key and stat.S_ISREG(st.st_mode):
-                            found.append((st.st_mtime, key, _alloc(st.st_size)))
-                    elif is_temp_name(name) and (
-                        self._stale_tmp(entry, now, me)
-                        and _unlink_quietly(entry.path)
-                    ):
-                        tmp_removed += 1
-        if tmp_removed:
-            self._counters.add("tmp_removed", tmp_removed)
-            logger.info("kvtier disk tier %s: removed %d stale temp files", self.root,
-                        tmp_removed)
-        found.sort()
+    def _scan(self) -> list[Scanned]:
+        """Every block file, oldest first; stale temp files are removed and counted."""
+        found, removed = self.dir.scan(self.tmp_max_age_s)
+        if removed:
+            self._counters.add("tmp_removed", removed)
+            logger.info("kvtier disk tier %s: removed %d stale temp files", self.root, removed)
         return found
 
-    def _stale_tmp(self, entry: os.DirEntry[str], now: float, me: int) -> bool:
-        try:
-            age = now - entry.stat(follow_symlinks=False).st_mtime
-        except OSError:
-            return False
-        return stale_temp(entry.name, age, self.tmp_max_age_s, me)
-
-    def _load_scan(self, found: list[tuple[float, bytes, int]]) -> int:
+    def _load_scan(self, found: list[Scanned]) -> int:
         """Replace the index with a scan's result (keeping what changed meanwhile)."""
         with self._lock:
             index: OrderedDict[bytes, int] = OrderedDict()
@@ -487,7 +309,7 @@ class DiskTier(Tier):
             victims.append(key)
             # Unlinked under the lock: done later, it could remove the file of a
             # newer store of the same key that another thread made meanwhile.
-            _unlink_quietly(self._file(key))
+            unlink_quietly(self.dir.file(key))
             if self._scanning:
                 self._scan_removed.add(key)
                 self._scan_added.pop(key, None)
@@ -512,7 +334,7 @@ class DiskTier(Tier):
             if out[i] or len(key) > MAX_DISK_KEY_BYTES:
                 continue
             try:
-                st = os.stat(self._file(key), follow_symlinks=False)
+                st = os.stat(self.dir.file(key), follow_symlinks=False)
             except OSError:
                 continue
             if stat.S_ISREG(st.st_mode):
@@ -524,9 +346,9 @@ class DiskTier(Tier):
         """Index a block another engine wrote."""
         with self._lock:
             # Checked under the lock: a block this process evicted meanwhile is gone.
-            if key in self._index or key in self._pending or not os.path.exists(self._file(key)):
+            if key in self._index or key in self._pending or not os.path.exists(self.dir.file(key)):
                 return
-            self._insert_locked(key, _alloc(size))
+            self._insert_locked(key, allocated(size))
             victims, _ = self._evict_locked(0)
         self._counters.add("discovered")
         self._remove_victims(victims)
@@ -547,7 +369,7 @@ class DiskTier(Tier):
         if len(key) > MAX_DISK_KEY_BYTES:
             self._counters.add("misses")
             return None, None
-        path = self._file(key)
+        path = self.dir.file(key)
         try:
             fd = os.open(path, _O_READ)
         except FileNotFoundError:
@@ -609,7 +431,7 @@ class DiskTier(Tier):
             else:
                 adopted = key not in self._pending and os.path.exists(path)
                 if adopted:
-                    self._insert_locked(key, _alloc(size))
+                    self._insert_locked(key, allocated(size))
             victims = self._evict_locked(0)[0] if adopted else []
         self._counters.add("hits")
         if adopted:
@@ -631,7 +453,7 @@ class DiskTier(Tier):
             mine = os.fstat(fd)
             now = os.stat(path, follow_symlinks=False)
             if (mine.st_dev, mine.st_ino) == (now.st_dev, now.st_ino):
-                _unlink_quietly(path)
+                unlink_quietly(path)
         except OSError:
             pass
         with self._lock:
@@ -674,9 +496,9 @@ class DiskTier(Tier):
 
     def _put_one(self, key: bytes, view: memoryview) -> bool | None:
         """True: written; None: already there (or being written); False: dropped."""
-        path = self._file(key)
+        path = self.dir.file(key)
         size = blockfile.header_size(self._ns, key) + view.nbytes
-        acct = _alloc(size)
+        acct = allocated(size)
         with self._lock:
             known = key in self._index
             busy = key in self._pending
@@ -726,25 +548,22 @@ class DiskTier(Tier):
 
     def _write(self, key: bytes, path: str, view: memoryview) -> bool:
         header = blockfile.pack_header(self._ns, key, view)
-        tmp = (
-            f"{self._subdir(key)}/.{key.hex()[:32]}.{os.getpid()}."
-            f"{next(self._tmp_serial)}{TMP_SUFFIX}"
-        )
+        tmp = self.dir.temp_file(key, next(self._tmp_serial))
         try:
             try:
-                fd = os.open(tmp, _O_WRITE, 0o600)
+                fd = os.open(tmp, O_WRITE, 0o600)
             except FileNotFoundError:  # the directory was removed under us: recreate it
-                self._remake_dirs()
-                fd = os.open(tmp, _O_WRITE, 0o600)
+                self.dir.remake()
+                fd = os.open(tmp, O_WRITE, 0o600)
             try:
-                _write_full(fd, [memoryview(header), view])
+                write_full(fd, [memoryview(header), view])
                 if self.fsync:
                     os.fsync(fd)
             finally:
                 os.close(fd)
             os.rename(tmp, path)
         except OSError as exc:
-            _unlink_quietly(tmp)
+            unlink_quietly(tmp)
             self._counters.add("dropped_stores")
             if exc.errno in _NO_SPACE:
                 self._counters.add("no_space")
@@ -764,7 +583,7 @@ class DiskTier(Tier):
                 continue
             with self._lock:  # unlink under the lock, as in _evict_locked
                 self._forget_locked(key)
-                if _unlink_quietly(self._file(key)):
+                if unlink_quietly(self.dir.file(key)):
                     removed.append(key)
         self._events.emit("removed", removed, "deleted")
         return len(removed)

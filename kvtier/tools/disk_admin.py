@@ -30,13 +30,8 @@ from typing import Any
 
 from kvtier.tiers import blockfile
 from kvtier.tiers.blockfile import CorruptBlockError
-from kvtier.tiers.disk import (
-    BLOCK_SUFFIX,
-    MAX_DISK_KEY_BYTES,
-    TMP_MAX_AGE_S,
-    fan_out_index,
-    stale_temp,
-)
+from kvtier.tiers.disk import MAX_DISK_KEY_BYTES, TMP_MAX_AGE_S
+from kvtier.tiers.disk_dir import BLOCK_SUFFIX, fan_out_index, stale_temp
 from kvtier.tools.disk_layout import (
     Entry,
     fan_out_dirs,

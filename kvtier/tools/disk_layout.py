@@ -1,6 +1,6 @@
 """Walking a disk tier directory: which entries are kvtier's, which are not.
 
-The layout is :mod:`kvtier.tiers.disk`'s::
+The layout is :mod:`kvtier.tiers.disk_dir`'s::
 
     PATH/kvtier-v1/<namespace>/namespace.json           the namespace's manifest (optional)
     PATH/kvtier-v1/<namespace>/<xx>/<key hex>.kvb       a block
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from kvtier.tiers.disk import BLOCK_SUFFIX, LAYOUT_DIR, MANIFEST_NAME, is_temp_name
+from kvtier.tiers.disk_dir import BLOCK_SUFFIX, LAYOUT_DIR, MANIFEST_NAME, is_temp_name
 from kvtier.tiers.namespace import check_namespace
 from kvtier.tools import AdminError
 from kvtier.tools.formatting import printable

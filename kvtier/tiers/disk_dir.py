@@ -1,0 +1,247 @@
+"""A disk tier's directory: its layout, who may use it, and what is in it.
+
+Layout (every directory 0700, every file 0600, owned by the engine's user)::
+
+    <path>/kvtier-v1/<namespace>/namespace.json          the manifest (optional)
+    <path>/kvtier-v1/<namespace>/<xx>/<key hex>.kvb      a block (blockfile format)
+    <path>/kvtier-v1/<namespace>/<xx>/.<name>.<pid>.<n>.tmp   a write in progress
+
+``xx`` is a byte of the key's xxh3 hash (256 subdirectories, so no directory
+grows past a few thousand entries per million blocks). The tier that keeps an
+index of these files and their bytes is :mod:`kvtier.tiers.disk`; the admin
+tools walk the same layout (:mod:`kvtier.tools.disk_layout`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import logging
+import os
+import re
+import stat
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+import xxhash
+
+from kvtier.slots.region import pid_alive
+from kvtier.tiers.base import TierConfigError
+
+logger = logging.getLogger(__name__)
+
+LAYOUT_DIR = "kvtier-v1"
+MANIFEST_NAME = "namespace.json"
+"""A namespace's manifest: what the engine that created it said about itself
+(model name, KV dtype, rank: for operators; never a salt), written once."""
+BLOCK_SUFFIX = ".kvb"
+TMP_SUFFIX = ".tmp"
+FAN_OUT = 256
+ALLOC_UNIT = 4096
+"""Bytes accounted per file are rounded up to this (a file system block)."""
+_TMP_NAME = re.compile(r"\.(\d+)\.\d+\.tmp$")
+O_WRITE = (
+    os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+    | getattr(os, "O_NOFOLLOW", 0)
+)
+"""Flags of a new temp file: never an existing file, never through a symlink."""
+
+Scanned = tuple[float, bytes, int]
+"""``(mtime, key, accounted bytes)`` of one block file."""
+
+
+def allocated(size: int) -> int:
+    """Bytes a file of ``size`` bytes is accounted (rounded up to ``ALLOC_UNIT``)."""
+    return -(-size // ALLOC_UNIT) * ALLOC_UNIT
+
+
+def fan_out_index(key: bytes) -> int:
+    """Index of the subdirectory (named ``f"{index:02x}"``) holding ``key``'s file."""
+    return xxhash.xxh3_64_intdigest(key) & (FAN_OUT - 1)
+
+
+def is_temp_name(name: str) -> bool:
+    """Whether ``name`` is a disk tier temp file's (``.<...>.tmp``, a write in progress)."""
+    return name.startswith(".") and name.endswith(TMP_SUFFIX)
+
+
+def stale_temp(name: str, age_s: float, max_age_s: float, me: int | None = None) -> bool:
+    """Whether a temp file is left over: older than ``max_age_s``, or written by a
+    pid (from its name) other than ``me`` that no longer runs."""
+    if age_s > max_age_s:
+        return True
+    match = _TMP_NAME.search(name)
+    if match is None:
+        return False
+    pid = int(match.group(1))
+    return pid != me and not pid_alive(pid)
+
+
+def write_full(fd: int, buffers: list[memoryview]) -> None:
+    """Write every byte of ``buffers`` to ``fd`` (``writev`` may write fewer)."""
+    while buffers:
+        n = os.writev(fd, buffers)
+        while buffers and n >= buffers[0].nbytes:
+            n -= buffers[0].nbytes
+            buffers.pop(0)
+        if buffers and n:
+            buffers[0] = buffers[0][n:]
+
+
+def unlink_quietly(path: str) -> bool:
+    """Remove ``path``; False (logged unless it was gone) when it could not be."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return False
+    except OSError as exc:
+        logger.warning("kvtier disk tier: cannot remove %s: %s", path, exc)
+        return False
+    return True
+
+
+def _make_private_dirs(path: Path) -> None:
+    """Create ``path`` and its missing parents, each 0700 (``os.makedirs`` would
+    give the parents the umask's mode: 0777 under umask 0). Existing ones stay."""
+    missing: list[Path] = []
+    while not os.path.lexists(path):
+        missing.append(path)
+        if path.parent == path:
+            break
+        path = path.parent
+    for directory in reversed(missing):
+        with contextlib.suppress(FileExistsError):  # another engine made it meanwhile
+            os.mkdir(directory, 0o700)
+
+
+class TierDirectory:
+    """One namespace's directory tree of a disk tier: ``root`` and its subdirectories.
+
+    Owns paths only (no index, no lock; safe from any thread): creating the
+    tree and checking an existing one (``make``: each directory a real one,
+    0700, this user's), the manifest (written once), a block's file name,
+    and reading every block file (``scan``). Holds ``FAN_OUT`` path strings.
+    """
+
+    __slots__ = ("path", "root", "_subdirs")
+
+    def __init__(self, path: str | os.PathLike[str], namespace: str) -> None:
+        self.path = Path(path)
+        self.root = self.path / LAYOUT_DIR / namespace
+        self._subdirs = [str(self.root / f"{i:02x}") for i in range(FAN_OUT)]
+
+    def make(self) -> None:
+        """Create the tree, or check the existing one (``TierConfigError`` when unusable)."""
+        try:
+            if self.path.exists() and not self.path.is_dir():
+                raise TierConfigError(f"disk_path {self.path} exists and is not a directory")
+            _make_private_dirs(self.path)
+            for directory in (self.path / LAYOUT_DIR, self.root):
+                self._own(directory)
+            for sub in self._subdirs:
+                self._own(Path(sub))
+        except OSError as exc:
+            raise TierConfigError(f"disk_path {self.path}: cannot use it: {exc}") from None
+
+    def remake(self) -> None:
+        """Recreate directories removed while serving (errors as ``OSError``)."""
+        try:
+            self.make()
+        except TierConfigError as exc:
+            raise OSError(errno.ENOENT, str(exc)) from None
+
+    @staticmethod
+    def _own(directory: Path) -> None:
+        """Create ``directory`` 0700, or check an existing one is ours and private."""
+        try:
+            os.mkdir(directory, 0o700)
+            return
+        except FileExistsError:
+            pass
+        st = os.lstat(directory)
+        if not stat.S_ISDIR(st.st_mode):
+            raise TierConfigError(f"disk tier: {directory} is not a directory")
+        if st.st_uid != os.geteuid():
+            raise TierConfigError(
+                f"disk tier: {directory} belongs to uid {st.st_uid}, not this process's "
+                f"uid {os.geteuid()}; engines sharing a cache directory must run as one user"
+            )
+        if stat.S_IMODE(st.st_mode) != 0o700:
+            os.chmod(directory, 0o700)
+
+    def write_manifest(self, manifest: Mapping[str, object]) -> None:
+        """Write the namespace's manifest unless one exists (temp file, rename;
+        0600). Best effort: a manifest is for operators, never needed to serve."""
+        final = self.root / MANIFEST_NAME
+        if final.exists():
+            return
+        tmp = self.root / f".{MANIFEST_NAME}.{os.getpid()}.0{TMP_SUFFIX}"
+        try:
+            fd = os.open(tmp, O_WRITE, 0o600)
+            try:
+                write_full(fd, [memoryview(json.dumps(dict(manifest), sort_keys=True,
+                                                      default=str).encode())])
+            finally:
+                os.close(fd)
+            os.replace(tmp, final)
+        except OSError as exc:
+            unlink_quietly(str(tmp))
+            logger.warning("kvtier disk tier: cannot write %s: %s", final, exc)
+
+    def subdir(self, key: bytes) -> str:
+        """The subdirectory of ``key``'s file (and of its temp files)."""
+        return self._subdirs[fan_out_index(key)]
+
+    def file(self, key: bytes) -> str:
+        """The path of ``key``'s block file."""
+        return f"{self._subdirs[fan_out_index(key)]}/{key.hex()}{BLOCK_SUFFIX}"
+
+    def temp_file(self, key: bytes, serial: int) -> str:
+        """A new temp file for ``key``'s block, in its subdirectory: the name
+        carries this process's pid, so a scan can tell a dead writer's."""
+        return f"{self.subdir(key)}/.{key.hex()[:32]}.{os.getpid()}.{serial}{TMP_SUFFIX}"
+
+    def scan(self, tmp_max_age_s: float) -> tuple[list[Scanned], int]:
+        """Every block file, oldest first, and how many temp files were removed
+        on the way (those of dead writers, and any older than ``tmp_max_age_s``)."""
+        found: list[Scanned] = []
+        now, me, removed = time.time(), os.getpid(), 0
+        for sub in self._subdirs:
+            try:
+                entries = os.scandir(sub)
+            except FileNotFoundError:
+                self.remake()
+                continue
+            with entries:
+                for entry in entries:
+                    name = entry.name
+                    if name.endswith(BLOCK_SUFFIX) and name[0] != ".":
+                        block = _block_entry(entry)
+                        if block is not None:
+                            found.append(block)
+                    elif is_temp_name(name) and _stale_entry(entry, now, me, tmp_max_age_s):
+                        removed += unlink_quietly(entry.path)
+        found.sort()
+        return found, removed
+
+
+def _block_entry(entry: os.DirEntry[str]) -> Scanned | None:
+    """A block file's scan row; None for a bad name or anything but a regular file."""
+    try:
+        key = bytes.fromhex(entry.name[: -len(BLOCK_SUFFIX)])
+        st = entry.stat(follow_symlinks=False)
+    except (ValueError, OSError):
+        return None
+    if key and stat.S_ISREG(st.st_mode):
+        return st.st_mtime, key, allocated(st.st_size)
+    return None
+
+
+def _stale_entry(entry: os.DirEntry[str], now: float, me: int, max_age_s: float) -> bool:
+    try:
+        age = now - entry.stat(follow_symlinks=False).st_mtime
+    except OSError:
+        return False
+    return stale_temp(entry.name, age, max_age_s, me)
