@@ -137,7 +137,7 @@ def bench_disk(args: argparse.Namespace, namespace: str) -> list[Row]:
             _drop_cache(raw_path)
         elif args.cold and name == "tier_read":
             for k in keys:
-                _drop_cache(tier._file(k))
+                _drop_cache(tier.dir.file(k))
 
     try:
         fns = {"raw_write": raw_write, "tier_write": tier_write,
