@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 
 from kvtier import prom
+from kvtier.bench.drill_engine import session_regions
 from kvtier.demo.tiny_model import build_tiny_llama, kv_bytes_per_block, token_prompt
 from kvtier.policies import AdaptivePolicy
-from kvtier.server_process import ServerProcess
-from kvtier.slots.region import PREFIX, SUFFIX, default_shm_dir
+from kvtier.server_process import ServerProcess, session_pids
 from kvtier.tiers.redis_server import free_port
 
 pytestmark = [
@@ -46,10 +46,6 @@ def readme_serve_examples() -> list[list[str]]:
     text = README.read_text().replace("\\\n", " ")
     return [shlex.split(m) for m in re.findall(r"^\$? ?(kvtier serve [^\n]*)$", text, re.M)
             if "--print-command" not in m]
-
-
-def region_files() -> set[str]:
-    return {p.name for p in default_shm_dir().glob(f"{PREFIX}*{SUFFIX}")}
 
 
 def complete(url: str, model: Path, prompt: list[int]) -> str:
@@ -89,7 +85,6 @@ def reference(model: Path, tmp_path_factory: pytest.TempPathFactory) -> list[str
 
 def test_kvtier_serve_serves_a_pushed_out_prompt_from_kvtier(
         model: Path, reference: list[str], tmp_path: Path) -> None:
-    before = region_files()
     port = free_port()
     argv = [sys.executable, "-m", "kvtier", "serve", str(model), "--cpu-bytes", "32Mi",
             "--port", str(port), *ENGINE]
@@ -98,6 +93,10 @@ def test_kvtier_serve_serves_a_pushed_out_prompt_from_kvtier(
         answers = [complete(server.url, model, p) for p in [TARGET, *FILLERS, TARGET]]
         m = wait_for(server.url, "vllm:prompt_tokens_cached_by_source_total",
                      OFFLOADED_TOKENS, source="host")
+        # this server's slot regions (by creator pid: other runs on the machine
+        # may create and remove their own meanwhile)
+        assert server.proc is not None
+        regions = session_regions(session_pids(server.proc.pid))
     finally:
         status = server.stop()
     assert answers == reference  # greedy answers identical to the server without kvtier
@@ -111,7 +110,8 @@ def test_kvtier_serve_serves_a_pushed_out_prompt_from_kvtier(
     assert prom.value(m, "vllm:kvtier_policy_admission") in (0, 1)
     assert status == 0, server.log_tail()
     assert server.leftovers == []  # no process of the server's session outlived it
-    assert region_files() - before == set()  # the slot region left /dev/shm
+    assert regions  # the server made one
+    assert [r for r in regions if r.exists()] == []  # and it left /dev/shm
 
 
 def check_vllm_offload_metrics(m: prom.Samples) -> None:
