@@ -59,7 +59,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -70,6 +69,7 @@ from kvtier.request import RequestContext
 from kvtier.results import LookupResult, PrepareStoreOutput
 from kvtier.tiers.base import Tier, WarningLimiter
 from kvtier.tiers.io_pool import IOPool, Job, ProbeJob, PromotionJob, SlotSource, WriteJob
+from kvtier.tiers.outcomes import PromotionOutcomes
 from kvtier.tiers.probes import (
     DEFAULT_MAX_PROBES,
     DEFAULT_PROBE_TIMEOUT_S,
@@ -164,8 +164,7 @@ class TierCascade:
         self.tiers = list(tiers)
         probes = (probe_ttl_s, probe_timeout_s, max_probes) if async_lookups else None
         self.lower = lower_tiers(self.tiers, write_policy, store_threshold, probes)
-        self.failure_ttl_s = float(failure_ttl_s)
-        self.max_failed = max_failed
+        self._outcomes = PromotionOutcomes(failure_ttl_s, max_failed)
         self.promotion_timeout_s = float(promotion_timeout_s)
         self._own_tiers = own_tiers
         self._region_source = region
@@ -187,8 +186,6 @@ class TierCascade:
         self._evicted: list[WriteJob] = []  # this step's write-on-evict jobs
         self._batching: dict[tuple[int, ...], PromotionJob] = {}  # this step's promotions
         self._inflight: dict[bytes, PromotionJob] = {}
-        self._failed: OrderedDict[bytes, float] = OrderedDict()  # key -> retry-after time
-        self._sources: OrderedDict[bytes, str] = OrderedDict()  # promoted key -> tier name
         self._pending_writes = 0
         self._probes_in_flight = 0
         self.counters = dict.fromkeys(COUNTERS, 0)
@@ -225,7 +222,7 @@ class TierCascade:
             return result
         if result is not LookupResult.MISS or not self.lower or key in self.manager._slot:
             return result  # resident but refused (lease budget): not a tier's business
-        if self._recently_failed(key):
+        if self._outcomes.failed_recently(key, time.monotonic()):
             return LookupResult.MISS
         return self._look_below(key, ctx)
 
@@ -236,16 +233,7 @@ class TierCascade:
     def source_of(self, key: bytes) -> str | None:
         """The tier a recent promotion of ``key`` read it from (the last
         ``max_failed`` promotions are remembered), or None."""
-        return self._sources.get(key)
-
-    def _recently_failed(self, key: bytes) -> bool:
-        until = self._failed.get(key)
-        if until is None:
-            return False
-        if time.monotonic() < until:
-            return True
-        del self._failed[key]
-        return False
+        return self._outcomes.sources.get(key)
 
     def _look_below(self, key: bytes, ctx: RequestContext) -> LookupResult:
         """Ask each available tier in order; promote from the first that holds ``key``."""
@@ -362,16 +350,12 @@ class TierCascade:
         for key in job.keys:
             self._inflight.pop(key, None)
         self.manager.complete_reserve(good, success=True)
-        sources = self._sources
         for key, source in zip(job.keys, job.source or [""] * len(job.keys), strict=True):
             if not source:
                 continue
-            sources[key] = source
-            sources.move_to_end(key)
+            self._outcomes.note_source(key, source)
             if any(n != source for n in self._store_tier_names):
                 self._due[key] = None  # another store tier may want what one tier held
-        while len(sources) > self.max_failed:
-            sources.popitem(last=False)
         if not bad:
             return
         self.manager.complete_reserve(bad, success=False)
@@ -379,12 +363,7 @@ class TierCascade:
         now = time.monotonic()
         if now - job.started > self.promotion_timeout_s:
             self.counters["promotion_timeouts"] += len(bad)
-        failed = self._failed
-        for key in bad:
-            failed[key] = now + self.failure_ttl_s
-            failed.move_to_end(key)
-        while len(failed) > self.max_failed:
-            failed.popitem(last=False)
+        self._outcomes.note_failures(bad, now)
 
     def _finish_write(self, job: WriteJob) -> None:
         self._pending_writes -= 1
@@ -531,8 +510,7 @@ class TierCascade:
         if not self.drain(timeout_s):
             logger.warning("kvtier cascade: reset with I/O jobs still running")
         self.manager.reset()
-        self._failed.clear()
-        self._sources.clear()
+        self._outcomes.clear()
         self._uses.clear()
         for low in self.lower:
             if low.probes is not None:
@@ -546,7 +524,7 @@ class TierCascade:
             "writes_in_flight": self._pending_writes,
             "queued_promotions": queued_reads,
             "queued_writes": queued_writes,
-            "failed_keys": len(self._failed),
+            "failed_keys": len(self._outcomes.failed),
         }
 
     def debug_state(self) -> dict[str, Any]:
@@ -566,8 +544,8 @@ class TierCascade:
             "evicted_jobs": len(self._evicted),
             "batched_promotions": sum(len(job.keys) for job in self._batching.values()),
             "in_flight_promotions": len(self._inflight),
-            "failed": len(self._failed),
-            "sources": len(self._sources),
+            "failed": len(self._outcomes.failed),
+            "sources": len(self._outcomes.sources),
             "writes_in_flight": self._pending_writes,
             "probe_jobs": self._probes_in_flight,
             **self._pool.sizes(),
