@@ -5,7 +5,7 @@ with the block file format's own code (:func:`kvtier.tiers.blockfile.decode`:
 header, namespace, key, length, xxh3-128 checksum), the namespace and key coming
 from the directory and file names, as :class:`~kvtier.tiers.disk.DiskTier` reads
 them. Temp files are stale under DiskTier's own rule
-(:func:`kvtier.tiers.disk.stale_temp`: the writer's pid is dead, or the file is
+(:func:`kvtier.tiers.disk_dir.stale_temp`: the writer's pid is dead, or the file is
 older than ``tmp_max_age_s``); a running writer's temp file is never removed.
 
 Engines may keep serving from the directory meanwhile: a block that disappears
