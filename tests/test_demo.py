@@ -7,18 +7,24 @@ import json
 from pathlib import Path
 
 import pytest
+from helpers.corrupt import corrupt_region
+from helpers.model_variants import SLIDING_WINDOW, build_variant
 
 from kvtier.cli import build_parser, cmd_demo, main
 from kvtier.demo import chat
+from kvtier.demo import engine as E
 from kvtier.demo.chat import RunResult, Turn, Workload
+from kvtier.demo.tiny_model import build_tiny_llama
 
 
 def turn(conv: int, t: int, prompt: int, cached: int, ttft_ms: float, out: tuple[int, ...]) -> Turn:
     return Turn(conv, t, tuple(range(prompt)), cached, ttft_ms / 1000, out)
 
 
-def runs(kv_reply: tuple[int, ...] = (7, 8)) -> tuple[RunResult, RunResult]:
-    """A kvtier run and a baseline run of one conversation, two turns, two repeats."""
+def runs(kv_reply: tuple[int, ...] = (7, 8), cached_reply: tuple[int, ...] = (7, 8),
+         cached_tokens: int = 96) -> tuple[RunResult, RunResult]:
+    """A kvtier run and a baseline run of one conversation, two turns, two repeats;
+    ``cached_*``: the reference pass's second turn (vLLM's own cache)."""
     kv = RunResult(kvtier=True, repeats=[
         [turn(1, 1, 96, 0, 5.0, (5, 6)), turn(1, 2, 132, 96, 4.0, kv_reply)],
         [turn(1, 1, 96, 0, 6.0, (5,)), turn(1, 2, 132, 96, 3.0, kv_reply[:1])],
@@ -26,7 +32,8 @@ def runs(kv_reply: tuple[int, ...] = (7, 8)) -> tuple[RunResult, RunResult]:
     base = RunResult(kvtier=False, repeats=[
         [turn(1, 1, 96, 0, 5.5, (5, 6)), turn(1, 2, 132, 0, 8.0, (7, 8))],
         [turn(1, 1, 96, 0, 9.0, (5,)), turn(1, 2, 132, 0, 6.0, (7,))],
-    ])
+    ], reference=[turn(1, 1, 96, 0, 5.0, (5, 6)),
+                  turn(1, 2, 132, cached_tokens, 4.0, cached_reply)])
     return kv, base
 
 
@@ -37,21 +44,57 @@ def test_rows_take_best_ttft_and_check_outputs() -> None:
     ]
     assert [r.ttft_baseline_median_ms for r in rows] == [7.25, 7.0]
     assert all(r.identical for r in rows)
+    assert all(r.same_as_vllm_cache for r in rows)
     summary = chat.summarize(rows)
     assert summary["prefill_saved"] == round(96 / 228, 4)
     assert summary["outputs_identical"] and summary["baseline_cached_tokens"] == 0
+    assert summary["vllm_cache_identical_turns"] == 2 and summary["outputs_verified"]
     assert summary["ttft_ratio"] == round(8.0 / 11.5, 4)
 
 
 def test_a_differing_reply_is_reported() -> None:
     rows = chat.turn_rows(*runs(kv_reply=(7, 9)))
     assert [r.identical for r in rows] == [True, False]
-    assert not chat.summarize(rows)["outputs_identical"]
+    assert [r.same_as_vllm_cache for r in rows] == [True, False]
+    summary = chat.summarize(rows)
+    assert not summary["outputs_identical"] and not summary["outputs_verified"]
     table = chat.format_table(rows)
     assert table[0].split() == [
-        "conv", "turn", "prompt", "from", "kvtier", "TTFT", "kvtier", "TTFT", "without", "same"
+        "conv", "turn", "prompt", "from", "kvtier", "TTFT", "kvtier", "TTFT", "without",
+        "=", "no", "cache", "=", "vLLM", "cache",
     ]
-    assert table[2].split()[-1] == "NO"
+    assert table[2].split()[-2:] == ["NO", "NO"]
+    assert chat.format_summary(summary, None)[-1].startswith("kvtier's bytes verified: NO (1/2")
+
+
+def test_a_reply_vllms_own_cache_changes_too_is_rounding_not_kvtier() -> None:
+    """A cached prefix can turn a greedy token on some models (seen on a GQA
+    model): kvtier's reply then differs from the uncached one, as vLLM's does."""
+    rows = chat.turn_rows(*runs(kv_reply=(7, 9), cached_reply=(7, 9)))
+    summary = chat.summarize(rows)
+    assert not summary["outputs_identical"] and summary["outputs_verified"]
+    assert chat.format_table(rows)[2].split()[-2:] == ["NO", "yes"]
+    assert chat.format_summary(summary, None)[-1].startswith("kvtier's bytes verified: yes")
+
+
+def test_the_reference_must_serve_as_many_tokens_from_the_cache() -> None:
+    """On a sliding-window model vLLM's own cache served fewer tokens than kvtier:
+    not compared, so only the uncached reply can verify the turn."""
+    rows = chat.turn_rows(*runs(cached_tokens=64))
+    assert [r.same_as_vllm_cache for r in rows] == [True, False]
+    assert rows[1].vllm_cache_tokens == 64 and rows[1].verified
+    summary = chat.summarize(rows)
+    assert summary["vllm_cache_short_turns"] == 1 and summary["outputs_verified"]
+    assert "not compared" in chat.format_summary(summary, None)[-2]
+    wrong = chat.turn_rows(*runs(kv_reply=(7, 9), cached_tokens=64, cached_reply=(7, 9)))
+    assert not wrong[1].verified
+
+
+def test_rows_need_a_reference_turn_for_every_kvtier_turn() -> None:
+    kv, base = runs()
+    base.reference.pop()
+    with pytest.raises(ValueError, match="1 reference turns for 2 kvtier turns"):
+        chat.turn_rows(kv, base)
 
 
 def test_demo_options_default_to_the_workload() -> None:
@@ -87,7 +130,64 @@ def test_demo_runs_the_engine_and_serves_prefixes_from_kvtier(
     assert [r["kvtier_tokens"] for r in rows] == [0, 64, 96, 96]
     summary = report["summary"]
     assert summary["outputs_identical"] and summary["baseline_cached_tokens"] == 0
+    assert summary["outputs_verified"] and summary["vllm_cache_identical_turns"] == 4
+    # the reference pass got the same prefixes from the engine's own cache
+    assert [r["vllm_cache_tokens"] for r in rows] == [r["kvtier_tokens"] for r in rows]
     assert report["kvtier_stats"]["hits"] > 0
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vllm(-cpu)")
+@pytest.mark.parametrize("variant", ["llama-gqa", "gemma2-hybrid"])
+def test_demo_verifies_kvtier_on_other_attention_layouts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+    variant: str,
+) -> None:
+    """Grouped-query attention, and a hybrid of sliding-window and full-attention
+    layers (two KV-cache groups): kvtier serves prefixes and every turn is
+    verified, whichever of the two comparisons holds for the model."""
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "ERROR")
+    model = build_variant(tmp_path / variant, variant)
+    argv = ["demo", "--json", "--conversations", "2", "--turns", "2", "--repeats", "1",
+            "--system-tokens", str(2 * SLIDING_WINDOW), "--user-tokens", str(SLIDING_WINDOW),
+            "--reply-tokens", "8", "--model-dir", str(model)]
+    assert main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["summary"]["outputs_verified"]
+    # each conversation's second turn starts with its whole first prompt
+    assert all(r["kvtier_tokens"] >= 2 * SLIDING_WINDOW for r in report["turns"][2:])
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vllm(-cpu)")
+def test_the_reference_pass_catches_wrong_bytes_from_kvtier(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Negative control of the demo's exit status: kvtier serves zeroed slots
+    for the second conversation's system prompt, and vLLM's own cache, given the
+    same prefix, replies otherwise."""
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    model = build_tiny_llama(tmp_path / "tiny")
+    w = Workload(conversations=2, turns=1, repeats=1, system_tokens=64, user_tokens=32,
+                 reply_tokens=8)
+    settings = chat.engine_settings(w)
+    prompts = [w.system_prompt() + w.user_message(c, 0) for c in range(2)]
+    with E.running_engine(model, E.kvtier_config(chat.DEFAULT_CPU_BYTES), settings) as llm:
+        first = chat.run_turn(llm, 1, 1, prompts[0], w.reply_tokens)
+        corrupt_region(llm)
+        second = chat.run_turn(llm, 2, 1, prompts[1], w.reply_tokens)
+    assert (first.cached_tokens, second.cached_tokens) == (0, 64)
+    with E.running_engine(model, None, settings) as llm:
+        reference = chat.reference_pass(llm, [first, second])
+        uncached = chat.run_turn(llm, 2, 1, prompts[1], w.reply_tokens)
+    assert [t.cached_tokens for t in reference] == [0, 64]
+    assert reference[0].output == first.output
+    assert reference[1].output != second.output, "wrong KV went unnoticed"
+    assert uncached.cached_tokens == 0
+    assert uncached.output != second.output, "wrong KV went unnoticed"
 
 
 @pytest.mark.vllm

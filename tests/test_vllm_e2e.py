@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
+from helpers.corrupt import corrupt_region
 
 from kvtier.demo import engine as E
 from kvtier.demo.tiny_model import build_tiny_llama, token_prompt
@@ -136,17 +137,6 @@ def offloaded(prompt: Sequence[int]) -> int:
 def growth(before: Mapping[str, int], after: Mapping[str, int]) -> dict[str, int]:
     """How much each stats counter grew (counters survive ``reset_connector``)."""
     return {name: after[name] - before[name] for name in after}
-
-
-def corrupt_region(llm: LLM) -> None:
-    """Zero every slot of the engine's kvtier region, from this process."""
-    from kvtier.slots.region import SlotRegion
-
-    region = SlotRegion.attach(E.region_path(llm))
-    try:
-        region.as_numpy()[:] = 0
-    finally:
-        region.close()
 
 
 # -- (a) hits after the GPU prefix cache is gone --------------------------------------

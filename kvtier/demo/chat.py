@@ -8,6 +8,17 @@ an engine with kvtier and on one without (same settings); per turn the demo
 prints the prompt length, the tokens served from kvtier and the time to first
 token (TTFT) of both, then a summary and whether the greedy outputs matched.
 
+Each turn's reply is compared twice: with the engine's reply without any
+cache, and with its reply after its own prefix cache was given the prefix
+kvtier served (the reference pass: the kvtier run's computation, with the
+engine's KV bytes in place of kvtier's). A turn is verified when either
+matches; the exit status is 1 when one is not. The first alone can fail with
+every byte right: on some models attention over a cached prefix sums in another
+order than a full prefill and bf16 rounding turns a greedy token, and vLLM's
+own cache then does the same. The second alone can fail too: on a
+sliding-window model vLLM's own cache serves fewer tokens than kvtier did
+from the same prefix, and that turn is not compared.
+
 Nothing to configure: the tiny model is built once into ``~/.cache/kvtier``.
 """
 
@@ -65,6 +76,8 @@ class RunResult:
     kvtier: bool
     repeats: list[list[Turn]] = field(default_factory=list)
     stats: dict[str, int] | None = None
+    reference: list[Turn] = field(default_factory=list)
+    """Without kvtier only: the reference pass (:func:`reference_pass`)."""
 
 
 # -- running ---------------------------------------------------------------------
@@ -76,9 +89,14 @@ def _reset_gpu_cache(llm: LLM) -> None:
         raise RuntimeError("vLLM refused to reset its prefix cache")
 
 
-def _turn(llm: LLM, conversation: int, turn: int, prompt: list[int], max_tokens: int) -> Turn:
-    """One request on an empty GPU prefix cache; its blocks reach kvtier before it returns."""
+def run_turn(llm: LLM, conversation: int, turn: int, prompt: list[int], max_tokens: int,
+          cached_prefix: int = 0) -> Turn:
+    """One request on an empty GPU prefix cache (or one holding only the first
+    ``cached_prefix`` tokens of ``prompt``, whole blocks); its blocks reach
+    kvtier before it returns."""
     _reset_gpu_cache(llm)
+    if cached_prefix:
+        E.generate(llm, [prompt[:cached_prefix]], max_tokens=1)
     time.sleep(SETTLE_S)
     out = E.generate(llm, [prompt], max_tokens=max_tokens)[0]
     E.drain(llm)  # stores are submitted on the engine's next step
@@ -96,7 +114,7 @@ def chat_pass(llm: LLM, w: Workload, kvtier: bool) -> list[Turn]:
     turns: list[Turn] = []
     for t in range(w.turns):
         for c in range(w.conversations):
-            done = _turn(llm, c + 1, t + 1, history[c], w.reply_tokens)
+            done = run_turn(llm, c + 1, t + 1, history[c], w.reply_tokens)
             turns.append(done)
             history[c] = history[c] + list(done.output) + w.user_message(c, t + 1)
     return turns
@@ -109,22 +127,43 @@ def replay_pass(llm: LLM, turns: Sequence[Turn], kvtier: bool) -> list[Turn]:
     as in the chat pass and serves the same prefixes.
     """
     llm.reset_prefix_cache(reset_connector=kvtier)
-    return [_turn(llm, t.conversation, t.turn, list(t.prompt), 1) for t in turns]
+    return [run_turn(llm, t.conversation, t.turn, list(t.prompt), 1) for t in turns]
 
 
-def run_engine(model: Path, w: Workload, cpu_bytes: int | None) -> RunResult:
-    """Start an engine (kvtier when ``cpu_bytes`` is set): one chat pass, then replays."""
+def reference_pass(llm: LLM, kvtier_chat: Sequence[Turn]) -> list[Turn]:
+    """The kvtier run's chat-pass prompts on an engine without kvtier, each after
+    its own prefix cache was given the prefix kvtier served that prompt: the
+    same computation as the kvtier run's, with the engine's bytes (module doc)."""
+    llm.reset_prefix_cache()
+    return [run_turn(llm, t.conversation, t.turn, list(t.prompt), len(t.output), t.cached_tokens)
+            for t in kvtier_chat]
+
+
+def run_engine(model: Path, w: Workload, cpu_bytes: int | None,
+               kvtier_chat: Sequence[Turn] = ()) -> RunResult:
+    """Start an engine (kvtier when ``cpu_bytes`` is set): one chat pass, then
+    replays, then the reference pass of ``kvtier_chat`` if given (without kvtier)."""
     extra = None if cpu_bytes is None else E.kvtier_config(cpu_bytes)
     result = RunResult(kvtier=extra is not None)
+    if result.kvtier and kvtier_chat:
+        raise ValueError("the reference pass runs on the engine without kvtier")
     with E.running_engine(model, extra, engine_settings(w)) as llm:
         _warm_up(llm)
         chat = chat_pass(llm, w, result.kvtier)
         result.repeats.append(chat)
         for _ in range(w.repeats - 1):
             result.repeats.append(replay_pass(llm, chat, result.kvtier))
+        if kvtier_chat:
+            result.reference = reference_pass(llm, kvtier_chat)
         if result.kvtier and E.single_process():
             result.stats = E.kvtier_manager(llm).stats()
     return result
+
+
+GPU_CACHE_SEQUENCES = 4
+"""The engine's cache holds this many of the longest sequences: twice one for
+each of up to two KV-cache groups (a hybrid model such as Gemma 2, with
+sliding-window and full-attention layers, splits the blocks between them)."""
 
 
 def engine_settings(w: Workload) -> E.EngineSettings:
@@ -132,9 +171,9 @@ def engine_settings(w: Workload) -> E.EngineSettings:
     need = w.max_prompt_tokens() + w.reply_tokens
     model_len = max(1024, -(-need // 1024) * 1024)
     block = E.EngineSettings.block_size
-    return E.EngineSettings(
-        max_model_len=model_len, num_gpu_blocks=2 * model_len // block, log_stats=True
-    )
+    return E.EngineSettings(max_model_len=model_len,
+                            num_gpu_blocks=GPU_CACHE_SEQUENCES * model_len // block,
+                            log_stats=True)
 
 
 def _warm_up(llm: LLM) -> None:
@@ -161,8 +200,19 @@ class TurnRow:
     ttft_kvtier_median_ms: float
     ttft_baseline_median_ms: float
     identical: bool
+    """Same outputs with kvtier and without any cache (module doc: can differ by rounding)."""
     baseline_cached_tokens: int
     """Should be 0: the GPU prefix cache is reset before every turn."""
+    vllm_cache_tokens: int
+    """Tokens the reference pass served from the engine's own prefix cache
+    (should equal ``kvtier_tokens``)."""
+    same_as_vllm_cache: bool
+    """kvtier's reply is the reference pass's, from the same cached prefix."""
+
+    @property
+    def verified(self) -> bool:
+        """kvtier's reply is the uncached one, or vLLM's own cache's (module doc)."""
+        return self.identical or self.same_as_vllm_cache
 
 
 def _ms(seconds: float) -> float:
@@ -171,11 +221,17 @@ def _ms(seconds: float) -> float:
 
 def turn_rows(with_kv: RunResult, without: RunResult) -> list[TurnRow]:
     """Per-turn rows. A turn is identical when both chat passes had the same prompt
-    and reply and every replay's first token is the reply's."""
+    and reply and every replay's first token is the reply's; it is the same as
+    vLLM's cache when the reference pass served as many tokens from the engine's
+    cache as kvtier did and replied the same."""
+    if len(without.reference) != len(with_kv.repeats[0]):
+        raise ValueError(f"the run without kvtier has {len(without.reference)} reference "
+                         f"turns for {len(with_kv.repeats[0])} kvtier turns")
     rows = []
     for i, first in enumerate(with_kv.repeats[0]):
         kv = [rep[i] for rep in with_kv.repeats]
         base = [rep[i] for rep in without.repeats]
+        ref = without.reference[i]
         reply = base[0].output
         rows.append(TurnRow(
             conversation=first.conversation,
@@ -189,6 +245,9 @@ def turn_rows(with_kv: RunResult, without: RunResult) -> list[TurnRow]:
             identical=first.prompt == base[0].prompt and first.output == reply
             and all(turn.output == reply[:1] for turn in kv[1:] + base[1:]),
             baseline_cached_tokens=max(turn.cached_tokens for turn in base),
+            vllm_cache_tokens=ref.cached_tokens,
+            same_as_vllm_cache=ref.cached_tokens == first.cached_tokens
+            and ref.output == first.output,
         ))
     return rows
 
@@ -213,20 +272,25 @@ def summarize(rows: Sequence[TurnRow]) -> dict[str, Any]:
         "identical_turns": sum(r.identical for r in rows),
         "outputs_identical": all(r.identical for r in rows),
         "baseline_cached_tokens": sum(r.baseline_cached_tokens for r in rows),
+        "vllm_cache_identical_turns": sum(r.same_as_vllm_cache for r in rows),
+        "vllm_cache_short_turns": sum(r.vllm_cache_tokens != r.kvtier_tokens for r in rows),
+        "verified_turns": sum(r.verified for r in rows),
+        "outputs_verified": all(r.verified for r in rows),
     }
 
 
-HEADER = ("conv", "turn", "prompt", "from kvtier", "TTFT kvtier", "TTFT without", "same")
+HEADER = ("conv", "turn", "prompt", "from kvtier", "TTFT kvtier", "TTFT without",
+          "= no cache", "= vLLM cache")
 
 
 def format_table(rows: Sequence[TurnRow]) -> list[str]:
     """Aligned text lines: a header, then one line per turn."""
-    widths = [4, 4, 6, 11, 11, 12, 4]
+    widths = [4, 4, 6, 11, 11, 12, 10, 12]
     lines = ["  ".join(h.rjust(w) for h, w in zip(HEADER, widths, strict=True))]
     for r in rows:
         cells = (str(r.conversation), str(r.turn), str(r.prompt_tokens), str(r.kvtier_tokens),
                  f"{r.ttft_kvtier_ms:.2f} ms", f"{r.ttft_baseline_ms:.2f} ms",
-                 "yes" if r.identical else "NO")
+                 "yes" if r.identical else "NO", "yes" if r.same_as_vllm_cache else "NO")
         lines.append("  ".join(c.rjust(w) for c, w in zip(cells, widths, strict=True)))
     return lines
 
@@ -243,6 +307,13 @@ def format_summary(s: dict[str, Any], stats: dict[str, int] | None) -> list[str]
         f"{'yes' if s['outputs_identical'] else 'NO'} "
         f"({s['identical_turns']}/{s['turns']} turns); without kvtier "
         f"{s['baseline_cached_tokens']} prompt tokens were cached",
+        f"greedy outputs identical to vLLM's own prefix cache holding the prefixes "
+        f"kvtier served: {s['vllm_cache_identical_turns']}/{s['turns']} turns"
+        + (f" (on {s['vllm_cache_short_turns']} it held a different number of tokens: "
+           "not compared)" if s["vllm_cache_short_turns"] else ""),
+        f"kvtier's bytes verified: {'yes' if s['outputs_verified'] else 'NO'} "
+        f"({s['verified_turns']}/{s['turns']} turns replied as without a cache or as "
+        "from vLLM's own cache)",
     ]
     if stats is not None:
         lines.append(
@@ -272,7 +343,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cpu-bytes", type=positive_int, default=DEFAULT_CPU_BYTES, metavar="B",
                         help=f"kvtier's CPU tier in bytes (default {DEFAULT_CPU_BYTES})")
     parser.add_argument("--model-dir", type=Path, default=None, metavar="DIR",
-                        help=f"where the tiny model is built (default {DEFAULT_MODEL_DIR_TEXT})")
+                        help=f"where the tiny model is built (default {DEFAULT_MODEL_DIR_TEXT}); "
+                        "a directory that already holds a model (config.json, "
+                        "model.safetensors, tokenizer.json, generation_config.json) is "
+                        "used as it is")
     parser.add_argument("--json", action="store_true", help="one JSON object instead of a table")
     parser.add_argument("--disk", type=Path, default=None, metavar="DIR",
                         help="the tiered demo instead: two servers one after the other with "
@@ -291,7 +365,8 @@ def _quiet_defaults() -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the demo for parsed ``args``; exit status 0, or 1 when outputs differ."""
+    """Run the demo for parsed ``args``; exit status 0, or 1 when a turn is not
+    verified (module doc)."""
     w = workload(args)
     w.check()
     _quiet_defaults()
@@ -305,14 +380,14 @@ def run(args: argparse.Namespace) -> int:
 
         return tiered.run_from_args(args, model, w, say)
     started = time.perf_counter()
-    say("running the chat workload without kvtier ...")
-    without = run_engine(model, w, None)
     say("running the chat workload with kvtier ...")
     with_kv = run_engine(model, w, args.cpu_bytes)
+    say("running it without kvtier, then its prompts on vLLM's own prefix cache ...")
+    without = run_engine(model, w, None, kvtier_chat=with_kv.repeats[0])
     rows = turn_rows(with_kv, without)
     summary = summarize(rows)
     _print_report(args, w, rows, summary, with_kv.stats, time.perf_counter() - started)
-    return 0 if summary["outputs_identical"] else 1
+    return 0 if summary["outputs_verified"] else 1
 
 
 def _progress(quiet: bool) -> Any:
@@ -323,16 +398,28 @@ def _progress(quiet: bool) -> Any:
     return say
 
 
+def _model_label(model_dir: Path | None) -> str:
+    """"tiny Llama", or the model type and directory given with ``--model-dir``."""
+    if model_dir is None:
+        return "tiny Llama"
+    try:
+        model_type = json.loads((model_dir / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        model_type = None
+    return f"{model_type or 'model'} in {model_dir}"
+
+
 def _print_report(args: argparse.Namespace, w: Workload, rows: Sequence[TurnRow],
                   summary: dict[str, Any], stats: dict[str, int] | None, seconds: float) -> None:
     if args.json:
         print(json.dumps({"workload": asdict(w), "cpu_bytes": args.cpu_bytes,
-                          "turns": [asdict(r) for r in rows], "summary": summary,
+                          "turns": [{**asdict(r), "verified": r.verified} for r in rows],
+                          "summary": summary,
                           "kvtier_stats": stats, "seconds": round(seconds, 1)}))
         return
     print(f"kvtier demo: {w.conversations} conversations x {w.turns} turns, shared "
           f"{w.system_tokens}-token system prompt, +{w.user_tokens} user and "
-          f"{w.reply_tokens} reply tokens per turn; tiny Llama on vLLM (CPU), "
+          f"{w.reply_tokens} reply tokens per turn; {_model_label(args.model_dir)} on vLLM (CPU), "
           f"GPU prefix cache reset before every turn; TTFT = best of {w.repeats} runs")
     for line in [*format_table(rows), "", *format_summary(summary, stats)]:
         print(line)
