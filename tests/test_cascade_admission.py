@@ -153,7 +153,7 @@ def test_use_counts_are_bounded_by_max_tracker_size(
     try:
         for i in range(40):
             offer(c, region, [i], f"r{i}")
-        assert c._uses.counting and len(c._uses) <= 8
+        assert c._writes.uses.counting and len(c._writes.uses) <= 8
         offer(c, region, [0], "again")  # forgotten: counts as a first use again
         assert c.drain() and on_disk(tier, [0]) == [False]
     finally:

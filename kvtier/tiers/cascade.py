@@ -26,28 +26,10 @@ set), so it is not retried in a loop; a promotion running past
 ``promotion_timeout_s`` reports MISS at once and frees its slot when the
 thread returns (the bytes of a slot still being written are never handed out).
 
-**Writes.** Stores land in the CPU tier; each lower tier has a write policy and
-an admission threshold. A block is *used* by a request that hits it or offers
-it for storing; each request counts once per block (:class:`BlockUses`,
-``max_tracker_size`` blocks, only kept when some threshold is above 1). A tier
-with threshold ``t`` receives a block only once ``t`` requests used it (``t =
-2``: no SSD write for one-off prompts). A ``"store"`` tier is written through:
-on ``complete_store`` (blocks already admitted), when a resident block reaches
-``t`` uses, and when a block promoted from another tier completes; the job's
-keys are pinned with ``manager.pin_internal`` (not a request access, recency is
-unchanged) until ``poll`` sees it done. Writes of a request's stores are
-submitted before ``complete_store`` returns, so always before the request's
-finish. An ``"evict"`` tier receives admitted blocks as the CPU tier evicts
-them: the manager's eviction listener copies each victim's slot (on the
-scheduler thread, before the slot is handed out again) into a job owning the
-copy, queued at the step's end after the step's promotions (a write that makes
-a tier evict must not remove a block about to be read; with several I/O threads
-this is likely, not certain, and a lost race is a failed promotion, i.e. a
-miss). Either way the job asks each tier which keys it holds already and
-``put``s only the others (no duplicate writes); each tier applies its own
-capacity and eviction (``DiskTier``: LRU within ``capacity_bytes``; Redis: TTL
-and the server's ``maxmemory-policy``). ``writes_not_admitted`` counts refusals
-(a block refused at store and again at eviction counts twice).
+**Writes** (:mod:`kvtier.tiers.cascade_writes`): each lower tier has a write
+policy (``"store"``: written through as blocks are stored or reach its
+admission threshold; ``"evict"``: written as the CPU tier evicts them) and a
+threshold of requests that must use a block before the tier gets it.
 
 Both I/O queues are bounded (``max_queue`` jobs each) and the threads take
 promotions and probes first: under backpressure stores are dropped
@@ -68,7 +50,8 @@ from kvtier.manager import OffloadManager
 from kvtier.request import RequestContext
 from kvtier.results import LookupResult, PrepareStoreOutput
 from kvtier.tiers.base import Tier, WarningLimiter
-from kvtier.tiers.io_pool import IOPool, Job, ProbeJob, PromotionJob, SlotSource, WriteJob
+from kvtier.tiers.cascade_writes import CascadeWrites
+from kvtier.tiers.io_pool import IOPool, Job, ProbeJob, PromotionJob, SlotSource
 from kvtier.tiers.outcomes import PromotionOutcomes
 from kvtier.tiers.probes import (
     DEFAULT_MAX_PROBES,
@@ -76,7 +59,6 @@ from kvtier.tiers.probes import (
     DEFAULT_PROBE_TTL_S,
     ExistenceProbes,
 )
-from kvtier.tiers.uses import BlockUses
 
 logger = logging.getLogger(__name__)
 
@@ -173,27 +155,22 @@ class TierCascade:
         self._pool = IOPool(io_threads, max_queue)
         self._pool.region = self._region
         self._init_step_state(max_tracker_size)
-        if any(low.write == "evict" for low in self.lower):
-            manager.set_eviction_listener(self._on_evict)
+        if self._writes.evicts:
+            manager.set_eviction_listener(self._writes.on_evict)
 
     def _init_step_state(self, max_tracker_size: int) -> None:
-        """The scheduler thread's state: uses per block, due writes, promotions
-        batching and in flight, failed keys, counters and I/O busy time."""
-        self._uses = BlockUses([low.threshold for low in self.lower], max_tracker_size,
-                               watched=[low.threshold for low in self.lower
-                                        if low.write == "store"])
-        self._due: dict[bytes, None] = {}  # resident keys to offer the store tiers again
-        self._evicted: list[WriteJob] = []  # this step's write-on-evict jobs
+        """The scheduler thread's state: the writes, promotions batching and in
+        flight, counters and I/O busy time."""
+        self.counters = dict.fromkeys(COUNTERS, 0)
+        self._writes = CascadeWrites(self.manager, self.lower, self._pool, self.region,
+                                     self.counters, max_tracker_size)
         self._batching: dict[tuple[int, ...], PromotionJob] = {}  # this step's promotions
         self._inflight: dict[bytes, PromotionJob] = {}
-        self._pending_writes = 0
         self._probes_in_flight = 0
-        self.counters = dict.fromkeys(COUNTERS, 0)
         # Seconds I/O threads spent in each tier's calls: "read" (promotions)
         # and "write" (writes with their presence check); one entry per tier.
         self._busy: dict[str, dict[str, float]] = {
             kind: dict.fromkeys((t.name for t in self.tiers), 0.0) for kind in ("read", "write")}
-        self._store_tier_names = [low.tier.name for low in self.lower if low.write == "store"]
 
     # ------------------------------------------------------------ region
     def region(self) -> SlotSource | None:
@@ -214,11 +191,11 @@ class TierCascade:
         if job is not None:
             if time.monotonic() - job.started > self.promotion_timeout_s:
                 return LookupResult.MISS
-            self._note_uses([key], ctx)
+            self._writes.note_uses([key], ctx)
             return LookupResult.HIT_PENDING
         result = self.manager.lookup_one(key, ctx)
         if result is LookupResult.HIT:
-            self._note_uses([key], ctx)
+            self._writes.note_uses([key], ctx)
             return result
         if result is not LookupResult.MISS or not self.lower or key in self.manager._slot:
             return result  # resident but refused (lease budget): not a tier's business
@@ -275,7 +252,7 @@ class TierCascade:
         job.slots.append(slots[0])
         self._inflight[key] = job
         self.counters["promotions"] += 1
-        self._note_uses([key], ctx)
+        self._writes.note_uses([key], ctx)
         return LookupResult.HIT_PENDING
 
     # ------------------------------------------------------------ the step
@@ -285,15 +262,10 @@ class TierCascade:
         self.poll()
         self._submit_promotions()
         self._submit_probes()
-        self._submit_due()
-        self._submit_evicted()
-
-    def _submit_evicted(self) -> None:
-        """Queue the step's write-on-evict copies, after its promotions: a
-        write filling a lower tier must not evict a block about to be read."""
-        jobs, self._evicted = self._evicted, []
-        for job in jobs:
-            self._queue_write(job)
+        self._writes.submit_due()
+        # after the promotions: a write filling a lower tier must not evict a
+        # block about to be read
+        self._writes.submit_evicted()
 
     def _submit_promotions(self) -> None:
         batches, self._batching = self._batching, {}
@@ -341,7 +313,7 @@ class TierCascade:
                 low.probes.answer(job.keys, job.found or [False] * len(job.keys),
                                   time.monotonic())
         else:
-            self._finish_write(job)
+            self._writes.finish(job)
 
     def _finish_promotion(self, job: PromotionJob) -> None:
         ok = job.ok or [False] * len(job.keys)
@@ -354,8 +326,7 @@ class TierCascade:
             if not source:
                 continue
             self._outcomes.note_source(key, source)
-            if any(n != source for n in self._store_tier_names):
-                self._due[key] = None  # another store tier may want what one tier held
+            self._writes.note_promoted(key, source)
         if not bad:
             return
         self.manager.complete_reserve(bad, success=False)
@@ -365,33 +336,13 @@ class TierCascade:
             self.counters["promotion_timeouts"] += len(bad)
         self._outcomes.note_failures(bad, now)
 
-    def _finish_write(self, job: WriteJob) -> None:
-        self._pending_writes -= 1
-        if job.copies is None:
-            self.manager.unpin_internal(job.keys)
-        self.counters["cascade_writes"] += job.written
-        self.counters["duplicate_writes_skipped"] += job.skipped
-        self.counters["write_failures"] += job.failed
-
-    # ------------------------------------------------------------ admission
-    def _note_uses(self, keys: list[bytes], ctx: RequestContext) -> None:
-        """Count a use of ``keys`` by ``ctx``; a resident key reaching a store
-        tier's threshold becomes due for writing (a key still being promoted
-        becomes due when its promotion completes)."""
-        if not self._uses.counting:
-            return
-        ready = self.manager._is_ready
-        for key in self._uses.record(keys, ctx):
-            if ready(key):
-                self._due[key] = None
-
     # ------------------------------------------------------------ stores
     def prepare_store(
         self, keys: Iterable[bytes], ctx: RequestContext
     ) -> PrepareStoreOutput | None:
         """``manager.prepare_store``, counting the offer as a use of each key."""
         keys = list(keys)
-        self._note_uses(keys, ctx)
+        self._writes.note_uses(keys, ctx)
         return self.manager.prepare_store(keys, ctx)
 
     def complete_store(
@@ -401,77 +352,17 @@ class TierCascade:
         keys = list(keys)
         self.manager.complete_store(keys, ctx, success=success)
         if success:
-            self._write_through(keys)
-        self._submit_due()
+            self._writes.write_through(keys)
+        self._writes.submit_due()
 
     def on_request_finished(self, ctx: RequestContext) -> None:
         """Submit writes the request made due, then ``manager.on_request_finished``."""
-        self._submit_due()
+        self._writes.submit_due()
         self.manager.on_request_finished(ctx)
-
-    def _submit_due(self) -> None:
-        if self._due:
-            due, self._due = list(self._due), {}
-            self._write_through(due, count_refusals=False)
-
-    def _write_through(self, keys: list[bytes], count_refusals: bool = True) -> None:
-        """One write job per distinct set of admitted READY keys over the store
-        tiers (a tier holding a key already skips it in the job)."""
-        ready = self.manager._is_ready
-        keys = [k for k in dict.fromkeys(keys) if ready(k)]
-        if not keys:
-            return
-        groups: dict[tuple[bytes, ...], list[Tier]] = {}
-        for low in self.lower:
-            if low.write != "store":
-                continue
-            admitted = self._uses.admitted(low.threshold, keys)
-            if count_refusals:
-                self.counters["writes_not_admitted"] += len(keys) - len(admitted)
-            if admitted:
-                groups.setdefault(tuple(admitted), []).append(low.tier)
-        for group, tiers in groups.items():
-            self._submit_write(list(group), tiers)
 
     def write_through(self, keys: Iterable[bytes]) -> None:
         """Write READY ``keys`` to every store tier now (admission applies)."""
-        self._write_through(list(keys))
-
-    def _on_evict(self, keys: list[bytes], slots: list[int]) -> None:
-        """The manager's eviction listener: copy admitted victims for the evict tiers."""
-        region = self.region()
-        for low in self.lower:
-            if low.write != "evict":
-                continue
-            admitted = set(self._uses.admitted(low.threshold, keys))
-            self.counters["writes_not_admitted"] += len(keys) - len(admitted)
-            picked = [(k, s) for k, s in zip(keys, slots, strict=True) if k in admitted]
-            if not picked:
-                continue
-            if region is None or not low.tier.available:
-                self.counters["dropped_writes"] += len(picked)
-                continue
-            if len(self._evicted) >= self._pool.max_queue:
-                self.counters["dropped_writes"] += len(picked)
-                continue
-            copies = [region.slot_array(s).copy() for _, s in picked]
-            self._evicted.append(
-                WriteJob([k for k, _ in picked], [s for _, s in picked], [low.tier], copies))
-
-    def _submit_write(self, keys: list[bytes], tiers: list[Tier]) -> None:
-        if self.region() is None or not any(t.available for t in tiers):
-            self.counters["dropped_writes"] += len(keys)
-            return
-        slots = self.manager.pin_internal(keys)
-        if not self._queue_write(WriteJob(keys, slots, tiers)):
-            self.manager.unpin_internal(keys)
-
-    def _queue_write(self, job: WriteJob) -> bool:
-        if not self._pool.submit(job):
-            self.counters["dropped_writes"] += len(job.keys)
-            return False
-        self._pending_writes += 1
-        return True
+        self._writes.write_through(list(keys))
 
     # ------------------------------------------------------------ whole cascade
     def take_events(self) -> list[Event]:
@@ -489,8 +380,7 @@ class TierCascade:
 
     def busy(self) -> bool:
         """Whether any job is batched, queued or running."""
-        return bool(self._inflight or self._pending_writes or self._probes_in_flight
-                    or self._due or self._evicted)
+        return bool(self._inflight or self._probes_in_flight or self._writes.busy())
 
     def drain(self, timeout_s: float = 30.0) -> bool:
         """End steps until every submitted job finished and was applied; False
@@ -511,7 +401,7 @@ class TierCascade:
             logger.warning("kvtier cascade: reset with I/O jobs still running")
         self.manager.reset()
         self._outcomes.clear()
-        self._uses.clear()
+        self._writes.clear()
         for low in self.lower:
             if low.probes is not None:
                 low.probes.clear()
@@ -521,7 +411,7 @@ class TierCascade:
         return {
             **self.counters,
             "promotions_in_flight": len(self._inflight),
-            "writes_in_flight": self._pending_writes,
+            "writes_in_flight": self._writes.pending,
             "queued_promotions": queued_reads,
             "queued_writes": queued_writes,
             "failed_keys": len(self._outcomes.failed),
@@ -539,14 +429,11 @@ class TierCascade:
         remote tier's ``ExistenceProbes`` (``known`` <= ``max_probes``);
         ``tiers.<tier>``: each tier's ``debug_state()``."""
         state: dict[str, Any] = {
-            "uses": len(self._uses),
-            "due": len(self._due),
-            "evicted_jobs": len(self._evicted),
+            **self._writes.sizes(),
             "batched_promotions": sum(len(job.keys) for job in self._batching.values()),
             "in_flight_promotions": len(self._inflight),
             "failed": len(self._outcomes.failed),
             "sources": len(self._outcomes.sources),
-            "writes_in_flight": self._pending_writes,
             "probe_jobs": self._probes_in_flight,
             **self._pool.sizes(),
         }
@@ -578,15 +465,13 @@ class TierCascade:
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Drop queued writes, finish running jobs, join the threads, close owned tiers."""
         self._submit_promotions()  # batched reservations are released through poll
-        for job in self._evicted:
-            self.counters["dropped_writes"] += len(job.keys)
-        self._evicted = []
+        self._writes.drop_evicted()
         for job in self._pool.shutdown(timeout_s):
             self.counters["dropped_writes"] += len(job.keys)
             job.written = job.skipped = job.failed = 0
             self._apply(job)
         self.poll()
-        if any(low.write == "evict" for low in self.lower):
+        if self._writes.evicts:
             self.manager.set_eviction_listener(None)
         if self._own_tiers:
             for tier in self.tiers:
