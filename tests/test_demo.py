@@ -139,7 +139,7 @@ def test_demo_runs_the_engine_and_serves_prefixes_from_kvtier(
 @pytest.mark.vllm
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vllm(-cpu)")
-@pytest.mark.parametrize("variant", ["llama-gqa", "gemma2-hybrid"])
+@pytest.mark.parametrize("variant", ["llama-gqa", "gemma2-hybrid-short"])
 def test_demo_verifies_kvtier_on_other_attention_layouts(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
     variant: str,

@@ -2,7 +2,8 @@
 other attention layouts: grouped-query attention, and a hybrid of
 sliding-window and full-attention layers (two KV-cache groups in vLLM).
 
-Each is written beside the tokenizer of :func:`kvtier.demo.tiny_model.build_tiny_llama`
+``python tests/helpers/model_variants.py NAME DIR`` builds one. Each is
+written with the tokenizer of :func:`kvtier.demo.tiny_model.build_tiny_llama`
 (same vocabulary), in the layout ``kvtier demo --model-dir`` accepts.
 """
 
@@ -15,18 +16,24 @@ from typing import Any
 from kvtier.demo.tiny_model import VOCAB_SIZE, build_tiny_llama
 
 SLIDING_WINDOW = 64
-"""Tokens of the hybrid model's sliding window: two 32-token blocks."""
+"""Tokens of the test's hybrid model's sliding window: two 32-token blocks."""
 
-_COMMON: dict[str, Any] = dict(vocab_size=VOCAB_SIZE, hidden_size=128, intermediate_size=256,
-                               max_position_embeddings=4096, bos_token_id=1, eos_token_id=2)
+_COMMON: dict[str, Any] = dict(vocab_size=VOCAB_SIZE, hidden_size=256, intermediate_size=256,
+                               max_position_embeddings=4096, bos_token_id=1, eos_token_id=2,
+                               tie_word_embeddings=False)
+_GQA = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+_GEMMA2 = dict(num_hidden_layers=4, **_GQA, pad_token_id=0, tie_word_embeddings=True)
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
-    # 2 KV heads for 4 query heads, head_dim 64, 3 layers
-    "llama-gqa": ("Llama", dict(num_hidden_layers=3, num_attention_heads=4,
-                                num_key_value_heads=2, head_dim=64, tie_word_embeddings=False)),
+    # the models of the README's demo section ("How the outputs are checked")
+    "llama-gqa": ("Llama", dict(num_hidden_layers=3, **_GQA)),
+    "qwen2": ("Qwen2", dict(num_hidden_layers=2, num_attention_heads=8,
+                            num_key_value_heads=2)),
+    "qwen3": ("Qwen3", dict(num_hidden_layers=2, **_GQA)),
+    "mistral-swa": ("Mistral", dict(num_hidden_layers=2, **_GQA, sliding_window=256)),
     # Gemma 2 alternates sliding-window and full-attention layers
-    "gemma2-hybrid": ("Gemma2", dict(num_hidden_layers=4, num_attention_heads=4,
-                                     num_key_value_heads=2, head_dim=64, pad_token_id=0,
-                                     sliding_window=SLIDING_WINDOW, tie_word_embeddings=True)),
+    "gemma2-hybrid": ("Gemma2", dict(_GEMMA2, sliding_window=256)),
+    # the same with a window the tests' short prompts pass
+    "gemma2-hybrid-short": ("Gemma2", dict(_GEMMA2, sliding_window=SLIDING_WINDOW)),
 }
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 
@@ -45,3 +52,11 @@ def build_variant(path: Path, name: str, seed: int = 0) -> Path:
     for file in _TOKENIZER_FILES:
         shutil.copy(tokenizer / file, path / file)
     return path
+
+
+if __name__ == "__main__":
+    import sys
+
+    if len(sys.argv) != 3 or sys.argv[1] not in VARIANTS:
+        sys.exit(f"usage: python tests/helpers/model_variants.py {{{','.join(VARIANTS)}}} DIR")
+    print(build_variant(Path(sys.argv[2]), sys.argv[1]))
