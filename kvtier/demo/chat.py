@@ -90,7 +90,7 @@ def _reset_gpu_cache(llm: LLM) -> None:
 
 
 def run_turn(llm: LLM, conversation: int, turn: int, prompt: list[int], max_tokens: int,
-          cached_prefix: int = 0) -> Turn:
+             cached_prefix: int = 0) -> Turn:
     """One request on an empty GPU prefix cache (or one holding only the first
     ``cached_prefix`` tokens of ``prompt``, whole blocks); its blocks reach
     kvtier before it returns."""

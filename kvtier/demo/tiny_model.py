@@ -116,6 +116,12 @@ def _write_model(out: Path, seed: int) -> None:
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).bfloat16()
     model.save_pretrained(str(out), safe_serialization=True)
+    write_tokenizer(out)
+
+
+def write_tokenizer(out: Path) -> None:
+    """Write the tiny model's tokenizer and greedy generation config into ``out``
+    (also used for other random models of the same vocabulary)."""
     _save_tokenizer(out)
     (out / "generation_config.json").write_text(
         json.dumps({"bos_token_id": 1, "eos_token_id": 2, "do_sample": False})

@@ -3,17 +3,17 @@ other attention layouts: grouped-query attention, and a hybrid of
 sliding-window and full-attention layers (two KV-cache groups in vLLM).
 
 ``python tests/helpers/model_variants.py NAME DIR`` builds one. Each is
-written with the tokenizer of :func:`kvtier.demo.tiny_model.build_tiny_llama`
-(same vocabulary), in the layout ``kvtier demo --model-dir`` accepts.
+written with the demo's tiny model's tokenizer (same vocabulary,
+:func:`kvtier.demo.tiny_model.write_tokenizer`), in the layout ``kvtier demo
+--model-dir`` accepts.
 """
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Any
 
-from kvtier.demo.tiny_model import VOCAB_SIZE, build_tiny_llama
+from kvtier.demo.tiny_model import VOCAB_SIZE, write_tokenizer
 
 SLIDING_WINDOW = 64
 """Tokens of the test's hybrid model's sliding window: two 32-token blocks."""
@@ -35,7 +35,6 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     # the same with a window the tests' short prompts pass
     "gemma2-hybrid-short": ("Gemma2", dict(_GEMMA2, sliding_window=SLIDING_WINDOW)),
 }
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 
 
 def build_variant(path: Path, name: str, seed: int = 0) -> Path:
@@ -48,9 +47,7 @@ def build_variant(path: Path, name: str, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     model = getattr(transformers, f"{family}ForCausalLM")(config).bfloat16()
     model.save_pretrained(str(path), safe_serialization=True)
-    tokenizer = build_tiny_llama(path.parent / f"{path.name}-tokenizer-source")
-    for file in _TOKENIZER_FILES:
-        shutil.copy(tokenizer / file, path / file)
+    write_tokenizer(path)
     return path
 
 
