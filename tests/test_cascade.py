@@ -291,10 +291,14 @@ def test_promotion_timeout_reports_miss_then_frees_slot(
         assert gate.entered.wait(5)
         time.sleep(0.06)
         assert c.lookup_one(k, ctx) is MISS  # stuck I/O: a miss now, never a hang
+        assert c.lookup_one(k, ctx) is MISS
+        assert c.stats()["promotion_timeouts"] == 1  # counted once, when first given up
         assert c.manager.stats()["write_pending"] == 1  # slot kept while the thread writes
         gate.opened.set()
         assert c.drain()
         assert c.manager.stats()["write_pending"] == 0 and c.manager.contains(k)
+        s = c.stats()  # it landed late: a timeout, not a failure, and not counted again
+        assert (s["promotion_timeouts"], s["promotion_failures"], s["promotions"]) == (1, 0, 1)
     finally:
         gate.opened.set()
         c.shutdown()

@@ -7,6 +7,10 @@ engine finishes every other request, their greedy outputs equal an engine's
 without kvtier, and kvtier keeps no pin, lease or pending write afterwards
 (a leaked pin would make its block unevictable for good).
 
+With a disk tier the request may be waiting for a promotion (disk -> CPU
+slots) instead; the disk is slowed down by ``kvtier.bench.fault_spec``'s
+``SlowDiskSpec``, the fault drills' slow disk.
+
 On a CPU engine kvtier copies synchronously, within the engine step, so no
 copy is ever in flight when ``abort_request`` runs. The abort tests therefore
 run the copies on kvtier's background thread (the CPU copier's
@@ -24,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from kvtier.bench.faults import CONTROL_ENV
 from kvtier.demo import engine as E
 from kvtier.demo.tiny_model import build_tiny_llama, token_prompt
 from kvtier.slots import worker as slot_worker
@@ -154,6 +159,71 @@ def kvtier_engine(tiny_model: Path, single_process: None) -> Iterator[Callable[.
     yield start
     for llm in started:
         E.stop_engine(llm)
+
+
+def cascade_of(llm: LLM) -> Any:
+    """The engine's TierCascade (single-process engine with a lower tier)."""
+    core = llm.llm_engine.engine_core.engine_core  # type: ignore[attr-defined]
+    return core.scheduler.connector.connector_scheduler.manager.cascade
+
+
+def settle(llm: LLM, cascade: Any) -> None:
+    """Let the engine's stores and the cascade's writes and promotions finish."""
+    E.drain(llm)
+    deadline = time.monotonic() + 30
+    while not cascade.drain(1):
+        assert time.monotonic() < deadline, "the cascade did not settle"
+        E.drain(llm, 1)
+
+
+@pytest.fixture(scope="module")
+def disk_with_prompts(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A disk tier holding PROMPTS' blocks, written by an engine now stopped."""
+    disk = tmp_path_factory.mktemp("disk")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        config = E.kvtier_config(64 << 20, disk_path=str(disk), disk_bytes=64 << 20)
+        with E.running_engine(tiny_model, config) as llm:
+            E.generate(llm, PROMPTS, max_tokens=1)
+            settle(llm, cascade_of(llm))
+            assert cascade_of(llm).stats()["cascade_writes"] == len(PROMPTS) * SERVED // 32
+    return disk
+
+
+@pytest.mark.parametrize(("delay_s", "timeout_s"), [(0.3, 2.0), (1.0, 0.3)],
+                         ids=["promoted", "timed-out"])
+def test_abort_while_promotions_are_in_flight(
+    tiny_model: Path, disk_with_prompts: Path, reference: list[tuple[int, ...]],
+    single_process: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+    delay_s: float, timeout_s: float,
+) -> None:
+    control = tmp_path / "delay"
+    control.write_text(str(delay_s))
+    monkeypatch.setenv(CONTROL_ENV, str(control))
+    config = E.kvtier_config(64 << 20, disk_path=str(disk_with_prompts), disk_bytes=64 << 20,
+                             promotion_timeout_s=timeout_s, spec_name="SlowDiskSpec",
+                             spec_module_path="kvtier.bench.fault_spec")
+    with E.running_engine(tiny_model, config) as llm:
+        cascade, manager = cascade_of(llm), E.kvtier_manager(llm)
+        outputs = run_requests(
+            llm, PROMPTS, abort_when=lambda: cascade.debug_state()["in_flight_promotions"] > 0)
+        timed_out = delay_s > timeout_s  # the others gave up waiting and computed
+        assert sorted(outputs) == ["r1", "r3", "r5"]
+        for rid, (tokens, cached) in outputs.items():
+            assert tokens == reference[int(rid[1:])], f"{rid}'s output differs"
+            assert cached == (0 if timed_out else SERVED)
+        control.write_text("")
+        settle(llm, cascade)
+        stats = cascade.stats()
+        assert stats["promotion_failures"] == 0
+        assert (stats["promotion_timeouts"] > 0) == timed_out
+        assert held(manager) == CLEAN
+        state = cascade.debug_state()
+        assert state["in_flight_promotions"] == state["batched_promotions"] == 0
+        assert llm.reset_prefix_cache()  # every promotion landed, aborted or late
+        again = E.generate(llm, PROMPTS, MAX_TOKENS)
+        assert [g.token_ids for g in again] == reference
+        assert [g.num_cached_tokens for g in again] == [SERVED] * len(PROMPTS)
 
 
 def test_abort_while_loads_are_in_flight(

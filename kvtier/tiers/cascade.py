@@ -23,8 +23,10 @@ is an ordinary CPU hit. A key already being promoted starts no second job. A
 failed promotion (miss at read time, checksum mismatch, short payload, I/O
 error) frees the slot and the key is a MISS for ``failure_ttl_s`` (a bounded
 set), so it is not retried in a loop; a promotion running past
-``promotion_timeout_s`` reports MISS at once and frees its slot when the
-thread returns (the bytes of a slot still being written are never handed out).
+``promotion_timeout_s`` reports MISS at once (``promotion_timeouts``) and keeps
+its slot until the thread returns: then the block is an ordinary CPU hit, or
+the slot is freed if the read failed (the bytes of a slot still being
+written are never handed out).
 
 **Writes** (:mod:`kvtier.tiers.cascade_writes`): each lower tier has a write
 policy (``"store"``: written through as blocks are stored or reach its
@@ -190,6 +192,7 @@ class TierCascade:
         job = self._inflight.get(key)
         if job is not None:
             if time.monotonic() - job.started > self.promotion_timeout_s:
+                self._note_overdue(job)
                 return LookupResult.MISS
             self._writes.note_uses([key], ctx)
             return LookupResult.HIT_PENDING
@@ -315,7 +318,16 @@ class TierCascade:
         else:
             self._writes.finish(job)
 
+    def _note_overdue(self, job: PromotionJob) -> None:
+        """Count ``job``'s blocks in ``promotion_timeouts`` once: when a lookup
+        first gives up on it, or when it finishes past the timeout."""
+        if not job.overdue:
+            job.overdue = True
+            self.counters["promotion_timeouts"] += len(job.keys)
+
     def _finish_promotion(self, job: PromotionJob) -> None:
+        if time.monotonic() - job.started > self.promotion_timeout_s:
+            self._note_overdue(job)
         ok = job.ok or [False] * len(job.keys)
         good = [k for k, done in zip(job.keys, ok, strict=True) if done]
         bad = [k for k, done in zip(job.keys, ok, strict=True) if not done]
@@ -331,10 +343,7 @@ class TierCascade:
             return
         self.manager.complete_reserve(bad, success=False)
         self.counters["promotion_failures"] += len(bad)
-        now = time.monotonic()
-        if now - job.started > self.promotion_timeout_s:
-            self.counters["promotion_timeouts"] += len(bad)
-        self._outcomes.note_failures(bad, now)
+        self._outcomes.note_failures(bad, time.monotonic())
 
     # ------------------------------------------------------------ stores
     def prepare_store(

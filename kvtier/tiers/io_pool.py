@@ -38,7 +38,8 @@ class SlotSource(Protocol):
 class PromotionJob:
     """Blocks to read into reserved slots; each tier of ``tiers`` is tried in
     order for the keys still missing. ``ok[i]`` / ``source[i]``: result per key;
-    ``busy``: seconds spent in each tier's reads, by tier name."""
+    ``busy``: seconds spent in each tier's reads, by tier name; ``overdue``:
+    set once the job has run past the cascade's ``promotion_timeout_s``."""
 
     keys: list[bytes]
     slots: list[int]
@@ -47,6 +48,7 @@ class PromotionJob:
     ok: list[bool] = field(default_factory=list)
     source: list[str] = field(default_factory=list)
     busy: dict[str, float] = field(default_factory=dict)
+    overdue: bool = False
 
     def run(self, region: SlotSource | None) -> None:
         self.ok = [False] * len(self.keys)

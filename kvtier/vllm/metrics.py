@@ -28,8 +28,8 @@ COUNTERS = {
 TIER_COUNTERS = {
     "promotions": "Block promotions from the disk/Redis tiers into CPU slots started.",
     "promotion_failures": "Promotions that failed (miss, corrupt, I/O error, timeout).",
-    "promotion_timeouts": "Promotions that took longer than promotion_timeout_s (the "
-                          "request computed the blocks instead).",
+    "promotion_timeouts": "Blocks whose promotion ran past promotion_timeout_s (a request "
+                          "that asked for one meanwhile computed it instead).",
     "promotions_deferred": "Lower-tier hits not promoted because the read queue was full.",
     "probes": "Keys whose presence in Redis was checked in a batch (asynchronous lookups).",
     "cascade_writes": "Blocks written from CPU slots to the disk/Redis tiers.",
