@@ -193,3 +193,20 @@ def test_the_path_does_not_enter_the_identity(tmp_path: Path) -> None:
     a = model_identity(_engine_config(str(tmp_path / "a")))
     assert a == model_identity(_engine_config(str(tmp_path / "b")))
     assert a != model_identity(_engine_config(str(tmp_path / "a"), load_format="safetensors"))
+
+
+def test_unshared_keys_reason_names_the_fast_hashes_without_a_seed() -> None:
+    from types import SimpleNamespace
+
+    from kvtier.vllm.block_hashing import unshared_keys_reason
+
+    def config(algo: str) -> object:
+        return SimpleNamespace(cache_config=SimpleNamespace(prefix_caching_hash_algo=algo))
+
+    for algo in ("xxhash", "xxhash_cbor"):
+        reason = unshared_keys_reason(config(algo), {})
+        assert reason is not None and repr(algo) in reason and "PYTHONHASHSEED" in reason
+        assert unshared_keys_reason(config(algo), {"PYTHONHASHSEED": "0"}) is None
+    for algo in ("sha256", "sha256_cbor"):
+        assert unshared_keys_reason(config(algo), {}) is None
+    assert unshared_keys_reason(None, {}) is None  # no engine config: nothing to say

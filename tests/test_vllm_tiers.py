@@ -46,6 +46,22 @@ def test_second_engine_is_served_from_the_disk_tier(tmp_path: Path) -> None:
     assert second["cascade"]["cascade_writes"] == 0  # the disk held every block already
 
 
+def test_fast_block_hashing_shares_keys_only_with_a_common_seed(tmp_path: Path) -> None:
+    # vLLM seeds xxhash's block hashes at random per process unless PYTHONHASHSEED is set
+    model = build_tiny_llama(tmp_path / "tiny-llama")
+    unseeded = [run_engine(model, tmp_path / "disk-a", hash_algo="xxhash") for _ in range(2)]
+    assert unseeded[0]["cascade"]["cascade_writes"] >= OFFLOADED_TOKENS // 32
+    assert unseeded[1]["cached"] == 0  # the disk holds the blocks under other keys
+    assert unseeded[1]["cascade"]["cascade_writes"] >= OFFLOADED_TOKENS // 32
+    assert all("kvtier: vLLM's prefix_caching_hash_algo='xxhash'" in run["stderr"]
+               for run in unseeded)
+    seeded = [run_engine(model, tmp_path / "disk-b", hash_algo="xxhash", hash_seed="7")
+              for _ in range(2)]
+    assert seeded[1]["cached"] >= OFFLOADED_TOKENS
+    assert seeded[1]["tokens"] == seeded[0]["tokens"] == unseeded[0]["tokens"]
+    assert not any("prefix_caching_hash_algo" in run["stderr"] for run in seeded)
+
+
 @pytest.fixture
 def redis_server() -> Iterator[Any]:
     """A fresh local redis-server (skipped where none is installed: ``make test``

@@ -43,6 +43,9 @@ class EngineSettings:
     """Worker processes sharing each layer (CPU: see :func:`cpu_thread_binding`)."""
     hf_overrides: Mapping[str, Any] | None = None
     """vLLM's ``hf_overrides``: changes to the model's config (e.g. RoPE)."""
+    prefix_caching_hash_algo: str = "sha256"
+    """vLLM's block hashing (``kvtier.vllm.block_hashing``: the fast ones need
+    ``PYTHONHASHSEED`` for another process to share the keys)."""
 
 
 def cpu_thread_binding(ranks: int) -> str:
@@ -115,6 +118,7 @@ def start_engine(
             kv_transfer_config=transfer,
             tensor_parallel_size=s.tensor_parallel_size,
             hf_overrides=dict(s.hf_overrides or {}),
+            prefix_caching_hash_algo=s.prefix_caching_hash_algo,
         )
     except BaseException:
         _cleanup()  # a failed start leaves vLLM's process-wide state set up

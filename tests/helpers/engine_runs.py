@@ -17,14 +17,22 @@ REPO = str(Path(__file__).parent.parent.parent)
 def run_engine(
     model: Path, disk: Path | None, redis_url: str | None = None,
     extra: dict[str, Any] | None = None, rounds: int = 1, tp: int = 1, metrics: bool = False,
-    hf_overrides: dict[str, Any] | None = None,
+    hf_overrides: dict[str, Any] | None = None, hash_algo: str = "sha256",
+    hash_seed: str | None = None,
 ) -> dict[str, Any]:
     """One engine run on ``model`` with a disk tier at ``disk`` and/or Redis at
-    ``redis_url`` plus the kvtier keys of ``extra`` (see tier_engine.py)."""
+    ``redis_url`` plus the kvtier keys of ``extra`` (see tier_engine.py);
+    ``hash_algo``: vLLM's ``prefix_caching_hash_algo``, ``hash_seed``: the
+    engine's ``PYTHONHASHSEED`` (None: unset). The result's ``stderr``: the
+    engine's last 20,000 characters of it."""
     env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING", "KVTIER_TEST_TP": str(tp),
            "KVTIER_TEST_METRICS": "1" if metrics else "0",
            "KVTIER_TEST_HF_OVERRIDES": json.dumps(hf_overrides or {}),
+           "KVTIER_TEST_HASH_ALGO": hash_algo,
            "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env.pop("PYTHONHASHSEED", None)
+    if hash_seed is not None:
+        env["PYTHONHASHSEED"] = hash_seed
     args = [sys.executable, HELPER, str(model), "-" if disk is None else str(disk),
             redis_url or "-", json.dumps(extra or {}), str(rounds)]
     out = subprocess.run(args, capture_output=True,
@@ -32,4 +40,5 @@ def run_engine(
     assert out.returncode == 0, out.stderr[-4000:]
     line = next(x for x in out.stdout.splitlines() if x.startswith("RESULT "))
     result: dict[str, Any] = json.loads(line.removeprefix("RESULT "))
+    result["stderr"] = out.stderr[-20_000:]
     return result

@@ -11,7 +11,8 @@ stats, and the cascade's stats after each round. ``KVTIER_TEST_TP``: the
 engine's tensor parallel size (default 1). ``KVTIER_TEST_METRICS=1``: keep
 vLLM's stats and add ``metrics``, kvtier's Prometheus samples
 (``name{label=value,...}`` -> value). ``KVTIER_TEST_HF_OVERRIDES``: vLLM's
-``hf_overrides`` as JSON.
+``hf_overrides`` as JSON. ``KVTIER_TEST_HASH_ALGO``: vLLM's
+``prefix_caching_hash_algo`` (default sha256).
 """
 
 from __future__ import annotations
@@ -60,7 +61,8 @@ def main() -> None:
     metrics = os.environ.get("KVTIER_TEST_METRICS") == "1"
     overrides = json.loads(os.environ.get("KVTIER_TEST_HF_OVERRIDES", "{}"))
     llm = E.start_engine(model, extra, E.EngineSettings(
-        tensor_parallel_size=tp, log_stats=metrics, hf_overrides=overrides))
+        tensor_parallel_size=tp, log_stats=metrics, hf_overrides=overrides,
+        prefix_caching_hash_algo=os.environ.get("KVTIER_TEST_HASH_ALGO", "sha256")))
     try:
         core = llm.llm_engine.engine_core.engine_core  # type: ignore[attr-defined]
         adapter = core.scheduler.connector.connector_scheduler.manager
