@@ -86,6 +86,7 @@ def test_the_reference_must_serve_as_many_tokens_from_the_cache() -> None:
     summary = chat.summarize(rows)
     assert summary["vllm_cache_short_turns"] == 1 and summary["outputs_verified"]
     assert "not compared" in chat.format_summary(summary, None)[-2]
+    assert chat.format_table(rows)[2].split()[-2:] == ["yes", "n/a"]
     wrong = chat.turn_rows(*runs(kv_reply=(7, 9), cached_tokens=64, cached_reply=(7, 9)))
     assert not wrong[1].verified
 

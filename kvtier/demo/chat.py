@@ -290,9 +290,16 @@ def format_table(rows: Sequence[TurnRow]) -> list[str]:
     for r in rows:
         cells = (str(r.conversation), str(r.turn), str(r.prompt_tokens), str(r.kvtier_tokens),
                  f"{r.ttft_kvtier_ms:.2f} ms", f"{r.ttft_baseline_ms:.2f} ms",
-                 "yes" if r.identical else "NO", "yes" if r.same_as_vllm_cache else "NO")
+                 "yes" if r.identical else "NO", _reference_cell(r))
         lines.append("  ".join(c.rjust(w) for c, w in zip(cells, widths, strict=True)))
     return lines
+
+
+def _reference_cell(row: TurnRow) -> str:
+    """``= vLLM cache``: "n/a" where vLLM's cache held another number of tokens."""
+    if row.same_as_vllm_cache:
+        return "yes"
+    return "n/a" if row.vllm_cache_tokens != row.kvtier_tokens else "NO"
 
 
 def format_summary(s: dict[str, Any], stats: dict[str, int] | None) -> list[str]:

@@ -14,7 +14,7 @@ import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
     from vllm import LLM, RequestOutput
@@ -43,6 +43,10 @@ class EngineSettings:
     """Worker processes sharing each layer (CPU: see :func:`cpu_thread_binding`)."""
     hf_overrides: Mapping[str, Any] | None = None
     """vLLM's ``hf_overrides``: changes to the model's config (e.g. RoPE)."""
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    """Model and KV dtype. Splitting a prompt differently between cached and
+    computed tokens changes the order of sums; in bf16 that can turn a greedy
+    token (README, the demo's output checks), in float32 far more rarely."""
     prefix_caching_hash_algo: str = "sha256"
     """vLLM's block hashing (``kvtier.vllm.block_hashing``: the fast ones need
     ``PYTHONHASHSEED`` for another process to share the keys)."""
@@ -112,7 +116,7 @@ def start_engine(
             kv_cache_memory_bytes=s.kv_cache_memory_bytes,
             max_num_seqs=s.max_num_seqs,
             enforce_eager=True,
-            dtype="bfloat16",
+            dtype=s.dtype,
             seed=0,
             disable_log_stats=not s.log_stats,
             kv_transfer_config=transfer,

@@ -1,6 +1,7 @@
 """Tiny random models other than the demo's Llama, for end-to-end checks on
-other attention layouts: grouped-query attention, and a hybrid of
-sliding-window and full-attention layers (two KV-cache groups in vLLM).
+other attention layouts: grouped-query attention, a hybrid of
+sliding-window and full-attention layers (two KV-cache groups in vLLM), and
+DeepSeek-V2's multi-head latent attention.
 
 ``python tests/helpers/model_variants.py NAME DIR`` builds one. Each is
 written with the demo's tiny model's tokenizer (same vocabulary,
@@ -34,6 +35,13 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "gemma2-hybrid": ("Gemma2", dict(_GEMMA2, sliding_window=256)),
     # the same with a window the tests' short prompts pass
     "gemma2-hybrid-short": ("Gemma2", dict(_GEMMA2, sliding_window=SLIDING_WINDOW)),
+    # multi-head latent attention: one 576-wide latent per token and layer (512 + 64 RoPE,
+    # the only width vLLM's CPU kernel takes), no separate K and V; two dense layers
+    "deepseek-v2-mla": ("DeepseekV2", dict(
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=512,
+        q_lora_rank=None, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32,
+        first_k_dense_replace=2, n_routed_experts=4, num_experts_per_tok=2,
+        n_shared_experts=1, moe_intermediate_size=128, rope_scaling=None)),
 }
 
 
