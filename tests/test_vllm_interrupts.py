@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from vllm import LLM
 
     from kvtier.manager import OffloadManager
+    from kvtier.tiers.cascade import TierCascade
 
 pytestmark = [
     pytest.mark.vllm,
@@ -161,13 +162,7 @@ def kvtier_engine(tiny_model: Path, single_process: None) -> Iterator[Callable[.
         E.stop_engine(llm)
 
 
-def cascade_of(llm: LLM) -> Any:
-    """The engine's TierCascade (single-process engine with a lower tier)."""
-    core = llm.llm_engine.engine_core.engine_core  # type: ignore[attr-defined]
-    return core.scheduler.connector.connector_scheduler.manager.cascade
-
-
-def settle(llm: LLM, cascade: Any) -> None:
+def settle(llm: LLM, cascade: TierCascade) -> None:
     """Let the engine's stores and the cascade's writes and promotions finish."""
     E.drain(llm)
     deadline = time.monotonic() + 30
@@ -185,8 +180,8 @@ def disk_with_prompts(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
         config = E.kvtier_config(64 << 20, disk_path=str(disk), disk_bytes=64 << 20)
         with E.running_engine(tiny_model, config) as llm:
             E.generate(llm, PROMPTS, max_tokens=1)
-            settle(llm, cascade_of(llm))
-            assert cascade_of(llm).stats()["cascade_writes"] == len(PROMPTS) * SERVED // 32
+            settle(llm, E.kvtier_cascade(llm))
+            assert E.kvtier_cascade(llm).stats()["cascade_writes"] == len(PROMPTS) * SERVED // 32
     return disk
 
 
@@ -204,7 +199,7 @@ def test_abort_while_promotions_are_in_flight(
                              promotion_timeout_s=timeout_s, spec_name="SlowDiskSpec",
                              spec_module_path="kvtier.bench.fault_spec")
     with E.running_engine(tiny_model, config) as llm:
-        cascade, manager = cascade_of(llm), E.kvtier_manager(llm)
+        cascade, manager = E.kvtier_cascade(llm), E.kvtier_manager(llm)
         outputs = run_requests(
             llm, PROMPTS, abort_when=lambda: cascade.debug_state()["in_flight_promotions"] > 0)
         timed_out = delay_s > timeout_s  # the others gave up waiting and computed

@@ -20,6 +20,8 @@ if TYPE_CHECKING:
     from vllm import LLM, RequestOutput
 
     from kvtier.manager import OffloadManager
+    from kvtier.tiers.cascade import TierCascade
+    from kvtier.vllm.adapter import KVTierOffloadingManager
 
 SPEC_CONFIG = {"spec_name": "KVTierSpec", "spec_module_path": "kvtier.vllm"}
 """The ``kv_connector_extra_config`` keys that select kvtier."""
@@ -208,12 +210,8 @@ def region_path(llm: LLM, rank: int = 0) -> Path:
     return default_shm_dir() / shared_region_name(engine_id(llm), rank)
 
 
-def kvtier_manager(llm: LLM) -> OffloadManager:
-    """The engine's kvtier manager; needs a single-process engine.
-
-    Raises ``RuntimeError`` when the scheduler runs in another process
-    (``VLLM_ENABLE_V1_MULTIPROCESSING=1``) or the engine has no kvtier.
-    """
+def _kvtier_adapter(llm: LLM) -> KVTierOffloadingManager:
+    """The engine's kvtier offloading manager (vLLM's side of the contract)."""
     from kvtier.vllm.adapter import KVTierOffloadingManager
 
     core = getattr(llm.llm_engine.engine_core, "engine_core", None)
@@ -226,7 +224,25 @@ def kvtier_manager(llm: LLM) -> OffloadManager:
     manager = getattr(scheduler, "manager", None)
     if not isinstance(manager, KVTierOffloadingManager):
         raise RuntimeError(f"the engine's offloading manager is {manager!r}, not kvtier's")
-    return manager.manager
+    return manager
+
+
+def kvtier_manager(llm: LLM) -> OffloadManager:
+    """The engine's kvtier manager; needs a single-process engine.
+
+    Raises ``RuntimeError`` when the scheduler runs in another process
+    (``VLLM_ENABLE_V1_MULTIPROCESSING=1``) or the engine has no kvtier.
+    """
+    return _kvtier_adapter(llm).manager
+
+
+def kvtier_cascade(llm: LLM) -> TierCascade:
+    """The engine's kvtier tier cascade (disk/Redis); errors as :func:`kvtier_manager`,
+    and ``RuntimeError`` when no lower tier is configured."""
+    cascade = _kvtier_adapter(llm).cascade
+    if cascade is None:
+        raise RuntimeError("the engine's kvtier has no disk or Redis tier")
+    return cascade
 
 
 def single_process() -> bool:

@@ -8,9 +8,10 @@ process computes the same keys for the same tokens. With the fast ones
 unless ``PYTHONHASHSEED`` is set, because their collision resistance rests on
 the seed staying unknown. A disk or Redis tier then still extends the CPU
 tier within one process, but never serves a block another process (another
-engine, or the same one after a restart) wrote: measured with the tiny model,
-the second of two engine runs on one disk tier got 0 prompt tokens from it
-under ``xxhash`` and 576 of 600 with ``PYTHONHASHSEED`` set.
+engine, or the same one after a restart) wrote: in
+``tests/test_vllm_tiers.py`` the second of two engine runs on one disk tier
+gets 0 prompt tokens from it under unseeded ``xxhash``, and all 192 it can
+serve with ``PYTHONHASHSEED`` set.
 
 Different seeds give different keys, never a wrong block: this is about hit
 ratio, so :class:`~kvtier.vllm.spec.KVTierSpec` logs a warning at start-up

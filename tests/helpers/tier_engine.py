@@ -64,9 +64,7 @@ def main() -> None:
         tensor_parallel_size=tp, log_stats=metrics, hf_overrides=overrides,
         prefix_caching_hash_algo=os.environ.get("KVTIER_TEST_HASH_ALGO", "sha256")))
     try:
-        core = llm.llm_engine.engine_core.engine_core  # type: ignore[attr-defined]
-        adapter = core.scheduler.connector.connector_scheduler.manager
-        cascade = adapter.cascade
+        cascade = E.kvtier_cascade(llm)
         per_round = []
         for i in range(rounds):
             if i:
