@@ -165,3 +165,83 @@ def _substitute(arg: str, model: Path, tmp_path: Path, redis_url: str) -> str:
     return re.sub(r"redis://127\.0\.0\.1:6379/0", redis_url, arg)
 
 
+
+
+HANG_UP_TOKENS = 280
+"""What a client that hangs up asks for: 200 + 280 tokens fit the 512 of ENGINE."""
+HELD_GAUGES = ("vllm:kvtier_pinned", "vllm:kvtier_leased", "vllm:kvtier_write_pending")
+"""Blocks kvtier holds for requests in flight: all 0 once none is."""
+
+
+def hang_up_after_first_chunk(url: str, model: Path, prompt: list[int]) -> str:
+    """Stream a long completion and close the connection after its first chunk
+    (the server aborts the request mid-decode); return that chunk."""
+    import httpx
+
+    body = {"model": str(model), "prompt": prompt, "max_tokens": HANG_UP_TOKENS,
+            "temperature": 0.0, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as reply:
+        for line in reply.iter_lines():
+            if line.startswith("data: "):
+                return line
+    raise AssertionError("the server sent no chunk")
+
+
+def hang_up_at_once(url: str, model: Path, prompt: list[int]) -> None:
+    """Send a completion and close the connection before any reply (the server
+    aborts the request during its prefill, or while kvtier loads its prefix)."""
+    import httpx
+
+    body = {"model": str(model), "prompt": prompt, "max_tokens": HANG_UP_TOKENS,
+            "temperature": 0.0, "ignore_eos": True}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(url + "/v1/completions", json=body, timeout=0.02)
+
+
+def held_blocks(url: str, settle_s: float = 20.0) -> dict[str, float]:
+    """kvtier's held-block gauges, polled until all are 0 or ``settle_s`` passes
+    (vLLM reports them a step late)."""
+    deadline = time.monotonic() + settle_s
+    while True:
+        samples = prom.scrape(url)
+        held = {name: prom.value(samples, name) for name in HELD_GAUGES}
+        if not any(held.values()) or time.monotonic() > deadline:
+            return held
+        time.sleep(0.5)
+
+
+def test_clients_that_hang_up_leave_nothing_held(model: Path, reference: list[str],
+                                                 tmp_path: Path) -> None:
+    """Clients that disconnect mid-stream or before the first byte, while their
+    prompts are served from kvtier: the server keeps serving correct replies,
+    and kvtier holds no pin, lease or pending write for the aborted requests."""
+    port = free_port()
+    argv = [sys.executable, "-m", "kvtier", "serve", str(model), "--cpu-bytes", "32Mi",
+            "--port", str(port), *ENGINE]
+    server = ServerProcess(argv, port, tmp_path / "kvtier.log").start()
+    try:
+        warm = [complete(server.url, model, p) for p in [TARGET, *FILLERS]]
+        chunks = [hang_up_after_first_chunk(server.url, model, p) for p in [TARGET, *FILLERS]]
+        for p in [TARGET, *FILLERS]:
+            hang_up_at_once(server.url, model, p)
+        # the disconnects land while the engine runs; this request then steps it
+        # again, so the gauges report the state after the aborts
+        after = complete(server.url, model, TARGET)
+        held = held_blocks(server.url)
+        m = prom.scrape(server.url)
+    finally:
+        status = server.stop()
+    assert warm == reference[:5]
+    assert all(c for c in chunks)
+    assert after == reference[5]
+    assert held == dict.fromkeys(HELD_GAUGES, 0.0), held
+    # the streamed requests were prefilled (11 prompts of 200 tokens, and up to
+    # 5 more: a request that hangs up at once is aborted before or during its
+    # prefill, as the timing falls), and the ten that hung up stopped far short
+    # of the 2,800 tokens they asked for
+    assert 11 * 200 <= prom.value(m, "vllm:prompt_tokens_total") <= 16 * 200
+    assert prom.value(m, "vllm:generation_tokens_total") < 6 * 16 + 10 * HANG_UP_TOKENS // 2
+    # the streamed TARGET and the last one were served from kvtier
+    assert prom.value(m, "vllm:kvtier_hits_total") >= 2 * OFFLOADED_TOKENS // 32
+    assert status == 0, server.log_tail()
+    assert server.leftovers == []
