@@ -11,7 +11,7 @@ import re
 import shlex
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -57,14 +57,29 @@ def complete(url: str, model: Path, prompt: list[int]) -> str:
     return out.choices[0].text
 
 
-def wait_for(url: str, name: str, at_least: float, **labels: str) -> prom.Samples:
-    """/metrics once ``name`` reached ``at_least`` (stats arrive a step late), or after 15 s."""
-    deadline = time.monotonic() + 15
+def poll_metrics(url: str, done: Callable[[prom.Samples], bool],
+                 settle_s: float = 15.0) -> prom.Samples:
+    """/metrics once ``done`` holds for them (vLLM reports stats a step late),
+    or after ``settle_s``."""
+    deadline = time.monotonic() + settle_s
     while True:
         samples = prom.scrape(url)
-        if prom.value(samples, name, **labels) >= at_least or time.monotonic() > deadline:
+        if done(samples) or time.monotonic() > deadline:
             return samples
         time.sleep(0.5)
+
+
+def wait_for(url: str, name: str, at_least: float, **labels: str) -> prom.Samples:
+    """/metrics once ``name`` reached ``at_least``, or after 15 s."""
+    return poll_metrics(url, lambda m: prom.value(m, name, **labels) >= at_least)
+
+
+def start_kvtier_server(model: Path, log: Path) -> ServerProcess:
+    """``kvtier serve`` with a 32 MiB CPU tier in front of ENGINE, started."""
+    port = free_port()
+    argv = [sys.executable, "-m", "kvtier", "serve", str(model), "--cpu-bytes", "32Mi",
+            "--port", str(port), *ENGINE]
+    return ServerProcess(argv, port, log).start()
 
 
 @pytest.fixture(scope="module")
@@ -85,10 +100,7 @@ def reference(model: Path, tmp_path_factory: pytest.TempPathFactory) -> list[str
 
 def test_kvtier_serve_serves_a_pushed_out_prompt_from_kvtier(
         model: Path, reference: list[str], tmp_path: Path) -> None:
-    port = free_port()
-    argv = [sys.executable, "-m", "kvtier", "serve", str(model), "--cpu-bytes", "32Mi",
-            "--port", str(port), *ENGINE]
-    server = ServerProcess(argv, port, tmp_path / "kvtier.log").start()
+    server = start_kvtier_server(model, tmp_path / "kvtier.log")
     try:
         answers = [complete(server.url, model, p) for p in [TARGET, *FILLERS, TARGET]]
         m = wait_for(server.url, "vllm:prompt_tokens_cached_by_source_total",
@@ -165,12 +177,16 @@ def _substitute(arg: str, model: Path, tmp_path: Path, redis_url: str) -> str:
     return re.sub(r"redis://127\.0\.0\.1:6379/0", redis_url, arg)
 
 
-
-
 HANG_UP_TOKENS = 280
 """What a client that hangs up asks for: 200 + 280 tokens fit the 512 of ENGINE."""
 HELD_GAUGES = ("vllm:kvtier_pinned", "vllm:kvtier_leased", "vllm:kvtier_write_pending")
 """Blocks kvtier holds for requests in flight: all 0 once none is."""
+
+
+def hang_up_body(model: Path, prompt: list[int], stream: bool) -> dict[str, object]:
+    """A completion request for HANG_UP_TOKENS greedy tokens."""
+    return {"model": str(model), "prompt": prompt, "max_tokens": HANG_UP_TOKENS,
+            "temperature": 0.0, "stream": stream, "ignore_eos": True}
 
 
 def hang_up_after_first_chunk(url: str, model: Path, prompt: list[int]) -> str:
@@ -178,8 +194,7 @@ def hang_up_after_first_chunk(url: str, model: Path, prompt: list[int]) -> str:
     (the server aborts the request mid-decode); return that chunk."""
     import httpx
 
-    body = {"model": str(model), "prompt": prompt, "max_tokens": HANG_UP_TOKENS,
-            "temperature": 0.0, "stream": True, "ignore_eos": True}
+    body = hang_up_body(model, prompt, stream=True)
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as reply:
         for line in reply.iter_lines():
             if line.startswith("data: "):
@@ -189,25 +204,19 @@ def hang_up_after_first_chunk(url: str, model: Path, prompt: list[int]) -> str:
 
 def hang_up_at_once(url: str, model: Path, prompt: list[int]) -> None:
     """Send a completion and close the connection before any reply (the server
-    aborts the request during its prefill, or while kvtier loads its prefix)."""
+    aborts the request before or during its prefill)."""
     import httpx
 
-    body = {"model": str(model), "prompt": prompt, "max_tokens": HANG_UP_TOKENS,
-            "temperature": 0.0, "ignore_eos": True}
     with pytest.raises(httpx.TimeoutException):
-        httpx.post(url + "/v1/completions", json=body, timeout=0.02)
+        httpx.post(url + "/v1/completions", json=hang_up_body(model, prompt, stream=False),
+                   timeout=0.02)
 
 
-def held_blocks(url: str, settle_s: float = 20.0) -> dict[str, float]:
-    """kvtier's held-block gauges, polled until all are 0 or ``settle_s`` passes
-    (vLLM reports them a step late)."""
-    deadline = time.monotonic() + settle_s
-    while True:
-        samples = prom.scrape(url)
-        held = {name: prom.value(samples, name) for name in HELD_GAUGES}
-        if not any(held.values()) or time.monotonic() > deadline:
-            return held
-        time.sleep(0.5)
+def held_blocks(url: str) -> dict[str, float]:
+    """kvtier's held-block gauges, once all read 0 or after 20 s."""
+    samples = poll_metrics(url, lambda m: not any(prom.value(m, g) for g in HELD_GAUGES),
+                           settle_s=20.0)
+    return {name: prom.value(samples, name) for name in HELD_GAUGES}
 
 
 def test_clients_that_hang_up_leave_nothing_held(model: Path, reference: list[str],
@@ -215,10 +224,7 @@ def test_clients_that_hang_up_leave_nothing_held(model: Path, reference: list[st
     """Clients that disconnect mid-stream or before the first byte, while their
     prompts are served from kvtier: the server keeps serving correct replies,
     and kvtier holds no pin, lease or pending write for the aborted requests."""
-    port = free_port()
-    argv = [sys.executable, "-m", "kvtier", "serve", str(model), "--cpu-bytes", "32Mi",
-            "--port", str(port), *ENGINE]
-    server = ServerProcess(argv, port, tmp_path / "kvtier.log").start()
+    server = start_kvtier_server(model, tmp_path / "kvtier.log")
     try:
         warm = [complete(server.url, model, p) for p in [TARGET, *FILLERS]]
         chunks = [hang_up_after_first_chunk(server.url, model, p) for p in [TARGET, *FILLERS]]
