@@ -91,6 +91,11 @@ class OffloadManager:
         self._reserved: set[bytes] = set()
         self._evict_listener: Callable[[list[bytes], list[int]], None] | None = None
         self._epoch = 0
+        # Contexts from before this epoch owe no completions (see ``reset``).
+        self._void_before = 0
+        # Slots an outside I/O job may still use after a reset: not free until
+        # ``release_slots``; at most ``num_blocks``.
+        self._held_back: set[int] = set()
         self._reset_counters()
 
     def _reset_counters(self) -> None:
@@ -113,10 +118,14 @@ class OffloadManager:
                 f"RequestContext {ctx.req_id!r} belongs to another OffloadManager"
             )
         if ctx.owner is self:  # from before a reset: owed completions are void
-            for key, n in ctx.loading.items():
-                ctx.stale_loads[key] = ctx.stale_loads.get(key, 0) + n
-            for key in ctx.writing:
-                ctx.stale_stores[key] = ctx.stale_stores.get(key, 0) + 1
+            if ctx.epoch < self._void_before:  # ...and will never arrive
+                ctx.stale_loads.clear()
+                ctx.stale_stores.clear()
+            else:  # ...and are absorbed when they arrive
+                for key, n in ctx.loading.items():
+                    ctx.stale_loads[key] = ctx.stale_loads.get(key, 0) + n
+                for key in ctx.writing:
+                    ctx.stale_stores[key] = ctx.stale_stores.get(key, 0) + 1
             ctx.loading.clear()
             ctx.writing.clear()
             ctx.clear_request_state()
@@ -346,12 +355,14 @@ class OffloadManager:
             return None
         slot = self._slot
         freed = [slot.pop(k) for k in victims]
-        if self._evict_listener is not None:
-            self._evict_listener(victims, freed)
-        self._free.extend(freed)
-        self.evictions += len(victims)
-        self._history.record(victims)
-        self._events.emit(victims, "removed")
+        try:
+            if self._evict_listener is not None:
+                self._evict_listener(victims, freed)
+        finally:  # the victims are gone from the policy: their slots come back
+            self._free.extend(freed)
+            self.evictions += len(victims)
+            self._history.record(victims)
+            self._events.emit(victims, "removed")
         return victims
 
     def _allocate(self, keys: list[bytes], ctx: RequestContext) -> list[int]:
@@ -488,7 +499,9 @@ class OffloadManager:
         """Call ``listener(keys, slots)`` for each batch of blocks evicted to make
         room (by ``prepare_store`` or ``reserve``; not by ``reset()``), while their
         slots still hold their bytes: a slot is handed out again only after the
-        listener returns. None removes it. For the tier cascade's write-on-evict.
+        listener returns. If it raises, the exception propagates and the
+        eviction stands (the slots are free). None removes it. For the tier
+        cascade's write-on-evict.
         """
         self._evict_listener = listener
 
@@ -534,21 +547,44 @@ class OffloadManager:
 
     # -- whole cache ---------------------------------------------------------
 
-    def reset(self) -> None:
-        """Forget every block; contexts start counting anew, old completions are ignored.
+    def reset(self, *, owed_completions: bool = True, busy_slots: Iterable[int] = ()) -> None:
+        """Forget every block; contexts start counting anew.
 
+        ``owed_completions``: whether the caller will still call
+        ``complete_load`` / ``complete_store`` for what it was granted before
+        the reset. If so (the default), each such call is absorbed, never
+        applied; if not (vLLM discards those jobs: its adapter passes False),
+        they are forgotten, and a request's next completion of a key is that of
+        its next grant. ``busy_slots``: slots an I/O job outside the manager
+        may still read or write (the tier cascade's, when its drain timed
+        out); they are handed out again only after ``release_slots``.
         Emits a ``removed`` event for the blocks that were ready.
         """
+        busy = set(busy_slots)
+        bad = [s for s in busy if type(s) is not int or not 0 <= s < self.num_blocks]
+        if bad:
+            raise ValueError(f"busy_slots: not a slot of this manager: {bad[0]!r}")
         self._events.emit([k for k in self._slot if k not in self._writing], "removed")
         self._epoch += 1
+        if not owed_completions:
+            self._void_before = self._epoch
         self._slot.clear()
         self._reserved.clear()
-        self._free = list(range(self.num_blocks - 1, -1, -1))
+        self._held_back |= busy
+        held = self._held_back
+        self._free = [s for s in range(self.num_blocks - 1, -1, -1) if s not in held]
         self.policy.clear()
         self._holds.clear(self.policy.blocked)  # a policy may rebind it in clear()
         self.store_gate.clear()
         self._leases.clear()
         self._history.clear()
+
+    def release_slots(self, slots: Iterable[int]) -> None:
+        """Hand out again slots held back by ``reset(busy_slots=...)`` (their
+        I/O ended); any other slot is ignored."""
+        back = [s for s in dict.fromkeys(slots) if s in self._held_back]
+        self._held_back.difference_update(back)
+        self._free.extend(back)
 
     def take_events(self) -> list[Event]:
         """Return and forget the events since the last call (empty when disabled)."""
@@ -594,6 +630,7 @@ class OffloadManager:
 
         Bounds: ``table``, ``free``, ``writing``, ``pinned``, ``leased``,
         ``reserved``, ``internal_pins``, ``unevictable`` and ``policy_size`` by
+        ``num_blocks``; ``held_back`` (slots held back by a reset) by
         ``num_blocks``; ``tracker_size`` by ``max_tracker_size``;
         ``history_size`` by ``eviction_history_size``; ``lease_holders`` by
         ``max_lease_holders`` (+ 1 between lookups); ``leases_held`` by
@@ -612,6 +649,7 @@ class OffloadManager:
             "pinned": len(self._holds.pins),
             "leased": len(self._lease_count),
             "reserved": len(self._reserved),
+            "held_back": len(self._held_back),
             "internal_pins": len(self._holds.internal),
             "unevictable": len(self._holds.blocked),
             "events": len(self._events),

@@ -304,6 +304,73 @@ def test_promotion_timeout_reports_miss_then_frees_slot(
         c.shutdown()
 
 
+def fill_free_slots(c: TierCascade, region: SlotRegion, first: int) -> dict[int, int]:
+    """Store new blocks one at a time while a slot is free; their slot -> id."""
+    placed: dict[int, int] = {}
+    for i in range(first, first + SLOTS):
+        ctx = RequestContext(f"f{i}")
+        out = c.manager.prepare_store([block_key(i)], ctx)
+        if out is None or not out.block_ids:
+            break
+        region.slot_array(out.block_ids[0])[:] = payload(i)
+        c.complete_store(out.keys_to_store, ctx)
+        c.manager.on_request_finished(ctx)
+        placed[out.block_ids[0]] = i
+    return placed
+
+
+def test_reset_holds_back_the_slot_a_late_promotion_writes(
+    tmp_path: Path, region: SlotRegion
+) -> None:
+    # a promotion still reading when the reset stops waiting must not land in
+    # a slot the manager gave to another block since (wrong KV as a HIT)
+    gate = Gate(disk(tmp_path))
+    gate.opened.set()
+    c = TierCascade(OffloadManager(SLOTS), region, [gate])
+    try:
+        store(c, region, [0])
+        evict_all(c, region)
+        gate.opened.clear()
+        assert c.lookup_one(block_key(0), RequestContext("r")) is PENDING
+        c.on_schedule_end()
+        assert gate.entered.wait(5)
+        c.reset(timeout_s=0.05)
+        assert c.manager.debug_state()["held_back"] == 1
+        placed = fill_free_slots(c, region, 200)
+        assert len(placed) == SLOTS - 1
+        gate.opened.set()
+        assert c.drain()
+        assert c.manager.debug_state()["held_back"] == 0 and c.manager.stats()["free"] == 1
+        assert not c.manager.contains(block_key(0))  # the abandoned result is dropped
+        for slot, i in placed.items():
+            assert np.array_equal(region.slot_array(slot), payload(i)), f"slot {slot}"
+    finally:
+        gate.opened.set()
+        c.shutdown()
+
+
+def test_reset_holds_back_the_slot_a_late_write_reads(tmp_path: Path, region: SlotRegion) -> None:
+    # a write-through still running when the reset stops waiting must copy
+    # the bytes of its own block, not those of the next block in its slot
+    low = disk(tmp_path)
+    gate = Gate(low)
+    c = TierCascade(OffloadManager(SLOTS), region, [gate])
+    try:
+        store(c, region, [0])  # its write waits at the gate
+        assert gate.entered.wait(5)
+        c.reset(timeout_s=0.05)
+        placed = fill_free_slots(c, region, 200)
+        assert len(placed) == SLOTS - 1
+        gate.opened.set()
+        assert c.drain()
+        assert c.manager.debug_state()["held_back"] == 0
+        got = low.get([block_key(0)])[0]
+        assert got is not None and np.array_equal(np.frombuffer(got, np.uint8), payload(0))
+    finally:
+        gate.opened.set()
+        c.shutdown()
+
+
 def test_write_through_skips_blocks_the_tier_holds(tmp_path: Path, region: SlotRegion) -> None:
     tier = disk(tmp_path)
     c = TierCascade(OffloadManager(SLOTS), region, [tier])

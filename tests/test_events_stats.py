@@ -247,6 +247,48 @@ def test_old_store_completion_does_not_complete_same_requests_new_grant() -> Non
     assert mgr.lookup([a], request("reader")) == 0
 
 
+def test_reset_without_owed_completions_lets_the_next_grant_complete() -> None:
+    # vLLM drops the completions of jobs from before a reset and re-offers a
+    # running request's blocks through the same context: its next completion
+    # of a key is that of its next grant (absorbing it as the old one would
+    # leave the block WRITING, and the load's pin held, for good)
+    mgr = OffloadManager(2)
+    a, b = keys(range(2))
+    fill(mgr, [b])
+    r = request("r", [a, b])
+    assert mgr.lookup([b], r) == 1
+    mgr.prepare_load([b], r)
+    mgr.prepare_store([a], r)
+    mgr.reset(owed_completions=False)
+    out = mgr.prepare_store([a], r)
+    assert out is not None and out.keys_to_store == [a]
+    mgr.complete_store([a], r)
+    fill(mgr, [b])
+    assert mgr.lookup([b], r) == 1
+    mgr.prepare_load([b], r)
+    mgr.complete_load([b], r)
+    mgr.on_request_finished(r)
+    s = mgr.stats()
+    assert (s["ready"], s["write_pending"], s["pinned"]) == (2, 0, 0)
+    with pytest.raises(ProtocolError):
+        mgr.complete_store([a], r)  # nothing is owed any more
+
+
+def test_reset_holds_back_busy_slots_until_released() -> None:
+    mgr = OffloadManager(3)
+    mgr.reset(busy_slots=[1])
+    out = mgr.prepare_store(keys(range(3)), request("w", keys(range(3))))
+    assert out is None  # two slots for three blocks
+    out = mgr.prepare_store(keys(range(2)), request("w2", keys(range(2))))
+    assert out is not None and sorted(out.block_ids) == [0, 2]
+    mgr.reset()  # a slot stays held back across resets until released
+    assert mgr.stats()["free"] == 2 and mgr.debug_state()["held_back"] == 1
+    mgr.release_slots([1, 1, 0])  # once each; a slot not held back is ignored
+    assert mgr.stats()["free"] == 3 and mgr.debug_state()["held_back"] == 0
+    with pytest.raises(ValueError, match="busy_slots"):
+        mgr.reset(busy_slots=[3])
+
+
 def test_load_and_store_after_reset_work_normally() -> None:
     mgr = OffloadManager(4)
     ks = keys(range(2))

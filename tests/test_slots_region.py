@@ -58,6 +58,12 @@ def _child_create_with_reaper_and_get_killed(engine_id: str, q: mp.Queue) -> Non
     q.join_thread()
     os.kill(os.getpid(), signal.SIGKILL)  # what vLLM does to its workers at shutdown
 
+def _child_create_with_reaper_and_wait(name: str, q: mp.Queue) -> None:
+    r = SlotRegion.create("test-reaper", num_slots=2, slot_bytes=4096, name=name, reaper=True)
+    assert r._reaper is not None
+    q.put((str(r.path), r._reaper.pid))
+    time.sleep(120)  # killed by the test
+
 def _run(target: Callable[..., None], *args: object, exitcode: int = 0) -> object:
     q: mp.Queue = SPAWN.Queue()
     proc = SPAWN.Process(target=target, args=(*args, q))
@@ -183,6 +189,49 @@ def test_reaper_of_a_closed_region_is_gone_and_ignores_ctrl_c(engine_id: str) ->
     while _running(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not _running(pid) and not region.path.exists()
+
+def _wait_gone(pid: int) -> None:
+    deadline = time.monotonic() + 10
+    while _running(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _running(pid)
+
+def test_reaper_of_a_closed_region_spares_the_next_region_of_its_name(engine_id: str) -> None:
+    # vLLM names a worker's region by engine id and rank: a region created
+    # again under the name must survive the old region's reaper, however late
+    # that one wakes (stopped here until the new region exists)
+    name = f"kvtier-{engine_id}-rank0.slots"
+    old = SlotRegion.create(engine_id, 2, 64, name=name, reaper=True)
+    assert old._reaper is not None
+    pid = old._reaper.pid
+    os.kill(pid, signal.SIGSTOP)
+    old.close()
+    new = SlotRegion.create(engine_id, 2, 64, name=name)
+    try:
+        os.kill(pid, signal.SIGCONT)
+        _wait_gone(pid)
+        assert new.path.exists()
+        SlotRegion.attach(name).close()
+    finally:
+        new.close()
+
+def test_reaper_of_a_killed_creator_spares_a_new_region_of_its_name(engine_id: str) -> None:
+    name = f"kvtier-{engine_id}-rank0.slots"
+    q: mp.Queue = SPAWN.Queue()
+    proc = SPAWN.Process(target=_child_create_with_reaper_and_wait, args=(name, q))
+    proc.start()
+    path, pid = q.get(timeout=60)
+    os.kill(pid, signal.SIGSTOP)  # the reaper wakes only after the restart below
+    proc.kill()
+    proc.join(timeout=60)
+    new = SlotRegion.create(engine_id, 2, 64, name=name)  # removes the stale file first
+    try:
+        assert str(new.path) == path
+        os.kill(pid, signal.SIGCONT)
+        _wait_gone(pid)
+        assert new.path.exists()
+    finally:
+        new.close()
 
 def _running(pid: int) -> bool:
     """Alive and not a zombie (an adopted reaper may wait for init to reap it)."""

@@ -308,7 +308,10 @@ class TierCascade:
             for name, seconds in job.busy.items():
                 busy[name] = busy.get(name, 0.0) + seconds
         if isinstance(job, PromotionJob):
-            self._finish_promotion(job)
+            if job.abandoned:
+                self.manager.release_slots(job.slots)
+            else:
+                self._finish_promotion(job)
         elif isinstance(job, ProbeJob):
             self._probes_in_flight -= 1
             low = next(low for low in self.lower if low.tier is job.tier)
@@ -317,6 +320,17 @@ class TierCascade:
                                   time.monotonic())
         else:
             self._writes.finish(job)
+
+    def _abandon_jobs(self) -> list[int]:
+        """Mark every unapplied promotion and write job abandoned; return the
+        slots they may still use."""
+        jobs = {id(job): job for job in self._inflight.values()}
+        self._inflight.clear()
+        slots: list[int] = []
+        for job in jobs.values():
+            job.abandoned = True
+            slots += job.slots
+        return slots + self._writes.abandon()
 
     def _note_overdue(self, job: PromotionJob) -> None:
         """Count ``job``'s blocks in ``promotion_timeouts`` once: when a lookup
@@ -403,12 +417,20 @@ class TierCascade:
             self.on_schedule_end()
         return True
 
-    def reset(self, timeout_s: float = 30.0) -> None:
-        """Let in-flight jobs finish (their slots must not be reused under them), then
-        ``manager.reset()`` and forget failed keys, probe answers and use counts."""
+    def reset(self, timeout_s: float = 30.0, *, owed_completions: bool = True) -> None:
+        """Let in-flight jobs finish, then ``manager.reset(owed_completions=...)``
+        and forget failed keys, probe answers and use counts.
+
+        Jobs still running after ``timeout_s`` are abandoned: the slots they
+        read or write are held back from the manager until each is applied
+        (never handed to another block under them), and their results dropped.
+        """
+        busy: list[int] = []
         if not self.drain(timeout_s):
-            logger.warning("kvtier cascade: reset with I/O jobs still running")
-        self.manager.reset()
+            busy = self._abandon_jobs()
+            logger.warning("kvtier cascade: reset with I/O jobs still running; %d slot(s) "
+                           "held back until they end", len(busy))
+        self.manager.reset(owed_completions=owed_completions, busy_slots=busy)
         self._outcomes.clear()
         self._writes.clear()
         for low in self.lower:

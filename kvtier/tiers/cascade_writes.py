@@ -58,7 +58,8 @@ class CascadeWrites:
       manager's ``num_blocks``: each is a resident block);
     * ``evicted``: this step's write-on-evict jobs, at most the pool's
       ``max_queue`` (more are dropped);
-    * ``pending``: write jobs submitted and not yet applied by :meth:`finish`.
+    * ``running``: write jobs submitted and not yet applied by :meth:`finish`
+      (by ``id``; at most the pool's queued and running jobs).
 
     Shares with the cascade: the manager (pins and readiness), the I/O pool,
     the lower tiers, the region source and the cascade's ``counters`` dict,
@@ -67,7 +68,7 @@ class CascadeWrites:
     """
 
     __slots__ = ("manager", "lower", "pool", "region", "counters", "uses", "due", "evicted",
-                 "pending", "_store_tier_names")
+                 "running", "_store_tier_names")
 
     def __init__(self, manager: OffloadManager, lower: Sequence[LowerTier], pool: IOPool,
                  region: Callable[[], SlotSource | None], counters: dict[str, int],
@@ -82,7 +83,7 @@ class CascadeWrites:
                                        if low.write == "store"])
         self.due: dict[bytes, None] = {}
         self.evicted: list[WriteJob] = []
-        self.pending = 0
+        self.running: dict[int, WriteJob] = {}
         self._store_tier_names = [low.tier.name for low in self.lower if low.write == "store"]
 
     @property
@@ -90,9 +91,14 @@ class CascadeWrites:
         """Whether some tier is written on eviction (the manager's listener is needed)."""
         return any(low.write == "evict" for low in self.lower)
 
+    @property
+    def pending(self) -> int:
+        """Write jobs submitted and not yet applied."""
+        return len(self.running)
+
     def busy(self) -> bool:
         """Whether a write is due, batched or running."""
-        return bool(self.pending or self.due or self.evicted)
+        return bool(self.running or self.due or self.evicted)
 
     def sizes(self) -> dict[str, int]:
         """Entries of each structure (bounds in the class docstring)."""
@@ -155,7 +161,7 @@ class CascadeWrites:
         if not self.pool.submit(job):
             self.counters["dropped_writes"] += len(job.keys)
             return False
-        self.pending += 1
+        self.running[id(job)] = job
         return True
 
     # ------------------------------------------------------------ write-on-evict
@@ -192,13 +198,27 @@ class CascadeWrites:
 
     # ------------------------------------------------------------ results
     def finish(self, job: WriteJob) -> None:
-        """Apply a finished (or abandoned) write job: unpin, count."""
-        self.pending -= 1
+        """Apply a finished write job: unpin (or, abandoned by a reset, give
+        its held-back slots back), count."""
+        self.running.pop(id(job), None)
         if job.copies is None:
-            self.manager.unpin_internal(job.keys)
+            if job.abandoned:
+                self.manager.release_slots(job.slots)
+            else:
+                self.manager.unpin_internal(job.keys)
         self.counters["cascade_writes"] += job.written
         self.counters["duplicate_writes_skipped"] += job.skipped
         self.counters["write_failures"] += job.failed
+
+    def abandon(self) -> list[int]:
+        """Mark the running jobs abandoned (a reset that could not wait for
+        them); return the slots they may still read."""
+        slots: list[int] = []
+        for job in self.running.values():
+            job.abandoned = True
+            if job.copies is None:
+                slots += job.slots
+        return slots
 
     def clear(self) -> None:
         """Forget the use counts (the cascade's reset, after its drain)."""

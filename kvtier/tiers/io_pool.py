@@ -39,7 +39,9 @@ class PromotionJob:
     """Blocks to read into reserved slots; each tier of ``tiers`` is tried in
     order for the keys still missing. ``ok[i]`` / ``source[i]``: result per key;
     ``busy``: seconds spent in each tier's reads, by tier name; ``overdue``:
-    set once the job has run past the cascade's ``promotion_timeout_s``."""
+    set once the job has run past the cascade's ``promotion_timeout_s``;
+    ``abandoned``: set by a reset that could not wait for it (its slots are
+    held back until it is applied, and its result is dropped)."""
 
     keys: list[bytes]
     slots: list[int]
@@ -49,6 +51,7 @@ class PromotionJob:
     source: list[str] = field(default_factory=list)
     busy: dict[str, float] = field(default_factory=dict)
     overdue: bool = False
+    abandoned: bool = False
 
     def run(self, region: SlotSource | None) -> None:
         self.ok = [False] * len(self.keys)
@@ -101,7 +104,8 @@ class ProbeJob:
 class WriteJob:
     """Blocks to copy to ``tiers``: from pinned ``slots``, or from ``copies``
     (owned bytes of evicted slots) when set. Counts per block and tier;
-    ``busy``: seconds spent in each tier's calls, by tier name."""
+    ``busy``: seconds spent in each tier's calls, by tier name; ``abandoned``:
+    as for :class:`PromotionJob` (its pins are gone with the reset)."""
 
     keys: list[bytes]
     slots: list[int]
@@ -111,6 +115,7 @@ class WriteJob:
     skipped: int = 0
     failed: int = 0
     busy: dict[str, float] = field(default_factory=dict)
+    abandoned: bool = False
 
     def run(self, region: SlotSource | None) -> None:
         if self.copies is not None:

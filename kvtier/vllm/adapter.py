@@ -189,10 +189,12 @@ class KVTierOffloadingManager(OffloadingManager):
             self.cascade.on_schedule_end()
 
     def reset_cache(self) -> None:
+        # vLLM drops the completions of jobs from before the reset ("stale
+        # jobs") and re-offers running requests' blocks from their start
         if self.cascade is not None:
-            self.cascade.reset()
+            self.cascade.reset(owed_completions=False)
         else:
-            self.manager.reset()
+            self.manager.reset(owed_completions=False)
 
     def shutdown(self) -> None:
         if self.cascade is not None:
