@@ -51,6 +51,10 @@ FLAG_KEYS = {
 """``kvtier serve`` flag (argparse dest) -> kvtier setting."""
 
 _OWN_TRANSFER_FLAGS = ("--kv-transfer-config", "--kv_transfer_config")
+_OFFLOADING_FLAGS = ("--kv-offloading-size", "--kv_offloading_size",
+                     "--kv-offloading-backend", "--kv_offloading_backend")
+"""vLLM's own offloading flags: vLLM rewrites the transfer config from them
+(``cpu_bytes_to_use`` from the size, the whole connector for another backend)."""
 
 
 class ServeError(ValueError):
@@ -143,9 +147,14 @@ def without_secrets(extra: dict[str, Any]) -> tuple[dict[str, Any], dict[str, st
 def vllm_arguments(vllm_args: Sequence[str], public_extra: dict[str, Any]) -> list[str]:
     """``vllm serve`` arguments: the user's vLLM options, then kvtier's transfer config."""
     for arg in vllm_args:
-        if arg.split("=", 1)[0] in _OWN_TRANSFER_FLAGS:
+        flag = arg.split("=", 1)[0]
+        if flag in _OWN_TRANSFER_FLAGS:
             raise ServeError("kvtier serve builds --kv-transfer-config itself: give kvtier's "
                              "settings as flags or --kvtier KEY=VALUE instead")
+        if flag in _OFFLOADING_FLAGS:
+            raise ServeError(f"{flag} configures vLLM's own CPU offloading, which would "
+                             "replace kvtier's settings: give the CPU tier's size as "
+                             "--cpu-bytes instead")
     transfer = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
                 "kv_connector_extra_config": public_extra}
     return ["serve", *vllm_args, "--kv-transfer-config",

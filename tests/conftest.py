@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 
 import pytest
@@ -11,6 +12,13 @@ from kvtier import OffloadManager, PrepareStoreOutput, RequestContext
 
 BLOCK_TOKENS = 16
 """End-token step between consecutive blocks of one request in these tests."""
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _file_digest_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Remembered weights digests (kvtier.file_digests) go to a temporary directory,
+    for this process and the engines it starts."""
+    os.environ["KVTIER_CACHE_DIR"] = str(tmp_path_factory.mktemp("kvtier-cache"))
 
 
 def key(i: int, group: int = 0) -> bytes:

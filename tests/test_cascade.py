@@ -129,6 +129,27 @@ def test_reserve_ignored_after_reset() -> None:
     assert not mgr.contains(k) and mgr.stats()["free"] == 2
 
 
+def test_eviction_listener_that_raises_loses_no_slot() -> None:
+    mgr = OffloadManager(2)
+    for i in range(2):
+        ctx = RequestContext(f"w{i}")
+        out = mgr.prepare_store([block_key(i)], ctx)
+        assert out is not None
+        mgr.complete_store(out.keys_to_store, ctx)
+        mgr.on_request_finished(ctx)
+
+    def fail(keys: list[bytes], slots: list[int]) -> None:
+        raise MemoryError("copy of an evicted slot")
+
+    mgr.set_eviction_listener(fail)
+    with pytest.raises(MemoryError):
+        mgr.prepare_store([block_key(2)], RequestContext("w2"))
+    s = mgr.stats()
+    assert (s["resident"], s["free"], s["evictions"]) == (1, 1, 1)
+    mgr.set_eviction_listener(None)
+    assert mgr.prepare_store([block_key(3)], RequestContext("w3")) is not None
+
+
 def test_internal_pin_blocks_eviction_without_recency() -> None:
     mgr = OffloadManager(2, policy="lru")
     a, b, c = block_key(1), block_key(2), block_key(3)

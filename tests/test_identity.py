@@ -10,10 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvtier.file_digests import CACHE_NAME, FileDigests
 from kvtier.identity import (
-    FILE_WINDOWS,
-    HEAD_TAIL_BYTES,
-    SAMPLE_BYTES,
     IdentityError,
     canonical_json,
     config_digest,
@@ -66,7 +64,7 @@ def test_new_weights_change_the_identity(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("layer", [0, 3, 7])
 def test_one_changed_tensor_changes_the_identity(tmp_path: Path, layer: int) -> None:
-    """A fine-tune of one layer: every tensor is sampled, wherever it lies."""
+    """A fine-tune of one layer, wherever it lies."""
     tensors = checkpoint(tmp_path / "a")
     base = weights_digest(tmp_path / "a").digest
     tensors[f"layer.{layer}.weight"] = np.random.default_rng(9).integers(
@@ -87,17 +85,50 @@ def test_a_renamed_tensor_or_added_shard_changes_the_identity(tmp_path: Path) ->
     assert weights_digest(tmp_path / "a").digest != base
 
 
-def test_other_formats_are_sampled_at_spread_places(tmp_path: Path) -> None:
-    size = 2 * HEAD_TAIL_BYTES + FILE_WINDOWS * SAMPLE_BYTES * 4
-    data = bytearray(np.random.default_rng(0).integers(0, 255, size, dtype=np.uint8).tobytes())
+@pytest.mark.parametrize("suffix", ["model.safetensors", "pytorch_model.bin"])
+def test_a_few_changed_rows_anywhere_change_the_identity(tmp_path: Path, suffix: str) -> None:
+    """New embeddings for ten tokens, in the middle of one tensor: every byte is
+    hashed (a fingerprint of samples missed this)."""
+    rng = np.random.default_rng(0)
+    rows = rng.integers(0, 255, (1024, 64), dtype=np.uint8)
     (tmp_path / "m").mkdir()
-    weights = tmp_path / "m" / "pytorch_model.bin"
-    weights.write_bytes(data)
+    weights = tmp_path / "m" / suffix
+
+    def save() -> None:
+        if suffix.endswith(".safetensors"):
+            write_safetensors(weights, {"embed.weight": rows})
+        else:
+            weights.write_bytes(rows.tobytes())
+
+    save()
     base = weights_digest(tmp_path / "m").digest
-    step = (size - SAMPLE_BYTES) // FILE_WINDOWS
-    data[step * (FILE_WINDOWS // 2) + 1] ^= 0xFF  # inside a sampled window
-    weights.write_bytes(data)
+    rows[300:310] = rng.integers(0, 255, (10, 64), dtype=np.uint8)
+    save()
     assert weights_digest(tmp_path / "m").digest != base
+
+
+def test_digests_are_remembered_until_the_file_changes(tmp_path: Path) -> None:
+    tensors = checkpoint(tmp_path / "a")
+    cache = tmp_path / "cache"
+    first = weights_digest(tmp_path / "a", FileDigests(cache))
+    assert first.read == 1 and (cache / CACHE_NAME).exists()
+    again = weights_digest(tmp_path / "a", FileDigests(cache))  # a restart
+    assert again.read == 0 and again.digest == first.digest
+    tensors["layer.3.weight"][5] ^= 1  # same size, one bit
+    write_safetensors(tmp_path / "a" / "model.safetensors", tensors)
+    changed = weights_digest(tmp_path / "a", FileDigests(cache))
+    assert changed.read == 1 and changed.digest != first.digest
+    (cache / CACHE_NAME).write_text("{not json")  # a broken cache is ignored
+    assert weights_digest(tmp_path / "a", FileDigests(cache)).digest == changed.digest
+
+
+def test_a_cache_that_cannot_be_written_costs_a_read_not_an_error(tmp_path: Path) -> None:
+    checkpoint(tmp_path / "a")
+    blocked = tmp_path / "file"
+    blocked.write_text("")  # the cache directory would have to be below a file
+    digests = FileDigests(blocked / "cache")
+    assert weights_digest(tmp_path / "a", digests).read == 1
+    assert weights_digest(tmp_path / "a", FileDigests(blocked / "cache")).read == 1
 
 
 def test_hub_cache_blob_names_are_the_checkpoint_hash(tmp_path: Path) -> None:
@@ -126,7 +157,7 @@ def test_a_directory_without_weights_is_refused(tmp_path: Path) -> None:
         weights_digest(tmp_path / "missing")
 
 
-def test_truncated_safetensors_header_is_sampled_not_trusted(tmp_path: Path) -> None:
+def test_a_truncated_safetensors_header_is_hashed_like_any_bytes(tmp_path: Path) -> None:
     (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", 1 << 40) + b"{}")
     first = weights_digest(tmp_path).digest
     (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", 1 << 40) + b"[]")

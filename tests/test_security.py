@@ -586,3 +586,15 @@ def test_plugin_namespace_depends_on_the_salt(tmp_path: Path,
     assert a.namespace() == again.namespace() == from_env.namespace()
     assert len({a.namespace(), b.namespace(), unsalted.namespace()}) == 3
     assert_no_secret(json.dumps(a._manifest(0)), repr(a.settings), a.namespace())
+
+
+def test_engines_with_long_ids_get_regions_of_their_own() -> None:
+    # vLLM names data-parallel engines <engine_id>_dp<rank>: ids that differ
+    # only past the characters a name keeps must not share a slot region
+    from kvtier.vllm.spec import REGION_ID_CHARS, shared_region_name
+
+    long_id = "x" * REGION_ID_CHARS
+    names = {shared_region_name(f"{long_id}_dp{dp}", 0) for dp in range(2)}
+    names |= {shared_region_name("a/b", 0), shared_region_name("a_b", 0)}
+    assert len(names) == 4
+    assert shared_region_name("3f2c-uuid", 1) == "kvtier-3f2c-uuid-rank1.slots"

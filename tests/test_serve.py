@@ -63,6 +63,8 @@ def test_secrets_never_reach_the_command(capsys: pytest.CaptureFixture[str]) -> 
     (["--cpu-bytes", "lots"], "not a byte count"),
     (["--kv-transfer-config", "{}"], "builds --kv-transfer-config itself"),
     (["--kv_transfer_config={}"], "builds --kv-transfer-config itself"),
+    (["--kv-offloading-size", "8"], "--cpu-bytes instead"),
+    (["--kv_offloading_backend=native"], "vLLM's own CPU offloading"),
 ])
 def test_bad_values_are_refused_before_the_engine_starts(
         capsys: pytest.CaptureFixture[str], args: list[str], named: str) -> None:

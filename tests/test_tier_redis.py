@@ -404,6 +404,13 @@ def test_bad_config_is_explained() -> None:
         RedisTier("redis://127.0.0.1:1", NS, socket_timeout_s=0)
     with pytest.raises(TierConfigError, match="failure_threshold"):
         RedisTier("redis://127.0.0.1:1", NS, failure_threshold=0)
+    # replies decoded to str: stores would succeed and every read raise
+    for url, options in [("redis://127.0.0.1:1", {"decode_responses": True}),
+                         ("redis://127.0.0.1:1/0?decode_responses=yes", {}),
+                         ("redis+cluster://127.0.0.1:1?decode_responses=1", {})]:
+        with pytest.raises(TierConfigError, match="decode_responses"):
+            RedisTier(url, NS, client_options=options)
+    RedisTier("redis://127.0.0.1:1/0?decode_responses=false", NS).close()
     tier = RedisTier("redis://127.0.0.1:1", NS, max_block_bytes=10)
     with pytest.raises(ValueError, match="max_block_bytes"):
         tier.put([(block_key(1), b"x" * 11)])

@@ -44,7 +44,7 @@ import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
-from urllib.parse import unquote, urlsplit
+from urllib.parse import parse_qsl, unquote, urlsplit
 
 import redis
 from redis.backoff import NoBackoff
@@ -164,6 +164,9 @@ class RedisTier(Tier):
         self._ns = self.namespace.encode()
         self._url = url.replace("+cluster://", "://", 1) if "+cluster://" in url else url
         self._options = _options_with_password(self._url, client_options, password_env)
+        if _decodes_responses(self._url, self._options):
+            raise TierConfigError("redis tier: decode_responses must stay off: blocks are "
+                                  "bytes, and decoded replies could not be read back")
         self._secrets = _secret_values(self._url, self._options)
         self._last_failure = ""
         self._client_obj: Any = None
@@ -581,6 +584,16 @@ def _check_connection_options(client: Any) -> None:
     fails now, as a config error, not on every call."""
     pool = client.connection_pool
     pool.connection_class(**pool.connection_kwargs)
+
+
+def _decodes_responses(url: str, options: Mapping[str, Any]) -> bool:
+    """Whether the client would decode replies to str (``decode_responses``
+    in ``options`` or in the URL's query, true as redis-py reads it)."""
+    values = [str(v) for k, v in parse_qsl(urlsplit(url).query) if k == "decode_responses"]
+    if "decode_responses" in options:
+        values.append(str(options["decode_responses"]))
+    return any(v.strip().upper() not in ("", "0", "F", "FALSE", "N", "NO", "NONE")
+               for v in values)
 
 
 def _int_setting(name: str, value: object, low: int) -> int:

@@ -147,6 +147,7 @@ def model_identity(vllm_config: Any, vouched: str | None = None) -> ModelIdentit
             f"its disk/Redis tiers: {exc}. Set 'model_identity' in kv_connector_extra_config "
             "to a string that changes whenever the weights do (e.g. the checkpoint's digest)"
         ) from None
-    logger.info("kvtier: model weights fingerprinted (%d files, %.1f GB) in %.3f s",
-                digest.files, digest.bytes / 1e9, digest.seconds)
+    logger.info("kvtier: model weights fingerprinted (%d files, %.1f GB, %d of them read "
+                "in full, the others' digests known) in %.3f s",
+                digest.files, digest.bytes / 1e9, digest.read, digest.seconds)
     return ModelIdentity(weights=digest.digest, config=config)

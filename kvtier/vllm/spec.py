@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import time
@@ -38,9 +39,19 @@ ATTACH_RETRY_S = 1.0
 """How often the scheduler retries attaching the workers' slot region."""
 
 
+REGION_ID_CHARS = 64
+"""Characters of the engine id a region name keeps as they are."""
+
+
 def shared_region_name(engine_id: str, rank: int) -> str:
-    """Name of an engine rank's slot region: computable by every process of the engine."""
-    safe = "".join(c if c.isalnum() or c in "_.-" else "_" for c in engine_id)[:64]
+    """Name of an engine rank's slot region: computable by every process of the
+    engine, and distinct for distinct engine ids (an id that is long or has
+    other characters than ``[A-Za-z0-9_.-]`` gets a digest of all of it, so
+    vLLM's data-parallel ``<id>_dp<rank>`` engines never share a region)."""
+    safe = "".join(c if c.isalnum() or c in "_.-" else "_" for c in engine_id)
+    if safe != engine_id or len(safe) > REGION_ID_CHARS:
+        digest = hashlib.blake2b(engine_id.encode(), digest_size=6).hexdigest()
+        safe = f"{safe[:REGION_ID_CHARS - 13]}-{digest}"
     return f"{PREFIX}{safe or 'engine'}-rank{rank}{SUFFIX}"
 
 
