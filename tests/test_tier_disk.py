@@ -320,6 +320,46 @@ def test_enospc_on_a_small_tmpfs(tmp_path: Path) -> None:
     assert reserve["stats"]["evictions"] > 0
 
 
+_UNMOUNT_CHILD = r"""
+import json, os, subprocess, sys
+import numpy as np
+from kvtier import block_key
+from kvtier.tiers import DiskTier
+d, ns = sys.argv[1], sys.argv[2]
+t = DiskTier(d + "/cache", ns, 64 << 20, free_reserve_bytes=0)
+before = t.put([(block_key(1), np.ones(1 << 20, np.uint8))])
+subprocess.run(["umount", d], check=True)  # the cache disk goes away while serving
+after = t.put([(block_key(2), np.ones(1 << 20, np.uint8))])
+left = [os.path.join(r, f) for r, ds, fs in os.walk(d) for f in fs + ds]
+print(json.dumps(dict(before=before, after=after, left=left, got=t.get([block_key(1)]) == [None],
+                      dropped=t.stats()["dropped_stores"])))
+"""
+
+
+def test_an_unmounted_cache_disk_is_not_refilled_on_the_disk_below(tmp_path: Path) -> None:
+    """A real tmpfs as the cache disk, unmounted while serving: the tier must not
+    recreate its tree on the file system below (the root disk), which its
+    capacity and free-space reserve were not sized for."""
+    if shutil.which("unshare") is None:
+        pytest.skip("needs util-linux's unshare to mount a private tmpfs")
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    cmd = ["unshare", "--mount", "--propagation", "private"]
+    if os.geteuid() != 0:
+        cmd.insert(1, "--map-root-user")
+    script = 'mount -t tmpfs -o size=8m kvtier-test "$1" && exec "$2" -c "$3" "$1" "$4"'
+    out = subprocess.run(
+        [*cmd, "sh", "-c", script, "sh", str(mnt), sys.executable, _UNMOUNT_CHILD, NS],
+        capture_output=True, text=True, timeout=120, cwd=REPO, check=False,
+    )
+    if out.returncode != 0 and "mount" in out.stderr and "Traceback" not in out.stderr:
+        pytest.skip(f"cannot mount a private tmpfs here: {out.stderr.strip()[:200]}")
+    assert out.returncode == 0, out.stderr
+    res = json.loads(out.stdout)
+    assert res["before"] == [True] and res["after"] == [False] and res["got"]
+    assert res["left"] == [] and res["dropped"] == 1
+
+
 # ---------------------------------------------------------------- restarts and sharing
 def test_warm_restart_across_processes(tmp_path: Path) -> None:
     cfg = {"path": str(tmp_path), "namespace": NS, "capacity": 64 << 20, "size": SIZE}

@@ -125,12 +125,13 @@ class TierDirectory:
     and reading every block file (``scan``). Holds ``FAN_OUT`` path strings.
     """
 
-    __slots__ = ("path", "root", "_subdirs")
+    __slots__ = ("path", "root", "_subdirs", "_device")
 
     def __init__(self, path: str | os.PathLike[str], namespace: str) -> None:
         self.path = Path(path)
         self.root = self.path / LAYOUT_DIR / namespace
         self._subdirs = [str(self.root / f"{i:02x}") for i in range(FAN_OUT)]
+        self._device: int | None = None  # of ``path``, once made
 
     def make(self) -> None:
         """Create the tree, or check the existing one (``TierConfigError`` when unusable)."""
@@ -142,11 +143,22 @@ class TierDirectory:
                 self._own(directory)
             for sub in self._subdirs:
                 self._own(Path(sub))
+            if self._device is None:
+                self._device = os.stat(self.path).st_dev
         except OSError as exc:
             raise TierConfigError(f"disk_path {self.path}: cannot use it: {exc}") from None
 
     def remake(self) -> None:
-        """Recreate directories removed while serving (errors as ``OSError``)."""
+        """Recreate directories removed while serving (errors as ``OSError``),
+        only on the file system ``disk_path`` was on: when its disk was
+        unmounted, the path leads to another one (often the root disk), which
+        the tier's capacity and free-space reserve were not meant for."""
+        probe = self.path
+        while not probe.exists() and probe != probe.parent:
+            probe = probe.parent
+        if self._device is not None and os.stat(probe).st_dev != self._device:
+            raise OSError(errno.ENODEV, f"disk tier: {probe} is no longer on the file system "
+                          f"disk_path {self.path} was on (unmounted?): stores dropped")
         try:
             self.make()
         except TierConfigError as exc:
