@@ -127,6 +127,19 @@ def test_a_corrupt_shard_fails_the_whole_promotion(
         c.shutdown()
 
 
+def test_stats_count_blocks_not_shards(tmp_path: Path) -> None:
+    # per-tier metrics (vllm:kvtier_tier_hits...) and the read latency per
+    # block divide by them: a block is one hit, one miss or one store
+    tier = disks(tmp_path)
+    block = ShardedSlot([shard(0, r) for r in range(RANKS)])
+    assert tier.put([(block_key(0), block)]) == [True]
+    buffers = [ShardedSlot([np.zeros(SIZE, np.uint8) for _ in range(RANKS)]) for _ in range(2)]
+    assert tier.get_into([block_key(0), block_key(1)], buffers) == [RANKS * SIZE, None]
+    s = tier.stats()
+    assert (s["stores"], s["hits"], s["misses"], s["dropped_stores"]) == (1, 1, 1, 0)
+    assert s["used_bytes"] == sum(int(t.stats()["used_bytes"]) for t in tier.ranks)
+
+
 def test_sharded_buffers_are_checked(tmp_path: Path, regions: RankRegions) -> None:
     tier = disks(tmp_path)
     try:

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from kvtier.slots.region import SlotRegion
-from kvtier.tiers.base import Tier, TierConfigError, TierEvent
+from kvtier.tiers.base import Counters, Tier, TierConfigError, TierEvent
 from kvtier.tiers.blockfile import BytesLike
 
 
@@ -71,7 +71,14 @@ class RankedTier(Tier):
     ``get_into`` returns the total size only when every rank's shard was read
     whole, else None (the caller must not use any part); ``put`` is True only
     when every rank stored its shard.
+
+    Owns block counters (``BLOCK_COUNTERS``, counted here once per block:
+    ranks are asked in turn and the later ones not after a miss, so the sum
+    of the ranks' own counts would count a hit once per rank and a miss once).
     """
+
+    BLOCK_COUNTERS = ("hits", "misses", "stores", "dropped_stores")
+    """``stats()`` entries that count blocks, whatever the number of ranks."""
 
     def __init__(self, tiers: Sequence[Tier]) -> None:
         self.ranks = list(tiers)
@@ -80,6 +87,7 @@ class RankedTier(Tier):
         self.name = self.ranks[0].name
         self.namespace = self.ranks[0].namespace
         self.remote = any(t.remote for t in self.ranks)
+        self._blocks = Counters()
 
     def _parts(self, buffers: Sequence[Any], rank: int) -> list[BytesLike]:
         n = len(self.ranks)
@@ -109,6 +117,9 @@ class RankedTier(Tier):
                 prev = total[i]
                 whole = prev is not None and n is not None and n == memoryview(parts[i]).nbytes
                 total[i] = prev + n if whole and prev is not None and n is not None else None
+        found = sum(t is not None for t in total)
+        self._blocks.add("hits", found)
+        self._blocks.add("misses", len(total) - found)
         return total
 
     def get(self, keys: Sequence[bytes]) -> list[memoryview | None]:
@@ -132,6 +143,8 @@ class RankedTier(Tier):
             orphans = [k for k, s, whole in zip(keys, stored, ok, strict=True) if s and not whole]
             if orphans:
                 tier.delete(orphans)
+        self._blocks.add("stores", sum(ok))
+        self._blocks.add("dropped_stores", len(ok) - sum(ok))
         return ok
 
     def delete(self, keys: Sequence[bytes]) -> int:
@@ -139,12 +152,15 @@ class RankedTier(Tier):
         return max(counts)
 
     def stats(self) -> dict[str, int | float | str]:
-        """Integer counters summed over ranks; other entries from rank 0."""
+        """``BLOCK_COUNTERS`` per block; other integers (bytes, milliseconds,
+        errors, evictions of shards) summed over ranks; the rest from rank 0."""
         out = dict(self.ranks[0].stats())
         for tier in self.ranks[1:]:
             for name, value in tier.stats().items():
                 if isinstance(value, int) and isinstance(out.get(name), int):
                     out[name] = int(out[name]) + value
+        blocks = self._blocks.snapshot()
+        out.update({name: blocks[name] for name in self.BLOCK_COUNTERS})
         out["ranks"] = len(self.ranks)
         return out
 
