@@ -271,6 +271,31 @@ def test_auth_by_url_and_env(auth_server: RedisServer, monkeypatch: pytest.Monke
     assert named.contains([block_key(1)]) == [True]
 
 
+def test_a_full_connection_pool_is_a_miss_not_a_server_failure(
+        server: RedisServer, raw: object) -> None:
+    # max_connections is this client's own limit: more concurrent callers than
+    # connections must not open the breaker on a healthy server
+    tier = make(server.url, client_options={"max_connections": 1})
+    keys = [block_key(i) for i in range(8)]
+    assert all(tier.put([(k, payload(i)) for i, k in enumerate(keys)]))
+    barrier = threading.Barrier(4)
+
+    def read() -> None:
+        barrier.wait()
+        for _ in range(20):
+            tier.get(keys)
+
+    threads = [threading.Thread(target=read) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    s = tier.stats()
+    assert s["breaker_opens"] == 0 and s["errors"] == 0 and tier.available
+    assert all(v is not None for v in tier.get(keys))
+    tier.close()
+
+
 def test_bad_password_fails_closed_and_is_never_shown(
     auth_server: RedisServer, caplog: pytest.LogCaptureFixture
 ) -> None:

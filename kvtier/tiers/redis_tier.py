@@ -49,7 +49,7 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 import redis
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisClusterException, RedisError, ResponseError
+from redis.exceptions import MaxConnectionsError, RedisClusterException, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
@@ -115,7 +115,10 @@ class RedisTier(Tier):
         key_prefix: first part of every Redis key.
         client_options: further keyword arguments for redis-py's client
             (``ssl_ca_certs``, ``ssl_certfile``, ``ssl_keyfile``,
-            ``ssl_cert_reqs``, ``max_connections``...).
+            ``ssl_cert_reqs``, ``max_connections``...). A call that finds
+            ``max_connections`` connections in use is a miss (counted in
+            ``rejected``, not a server failure): give at least one per
+            concurrent caller (the cascade's ``io_threads``).
     """
 
     name = "redis"
@@ -250,6 +253,13 @@ class RedisTier(Tier):
         except TierConfigError:
             self._breaker.record_success()
             raise
+        except MaxConnectionsError:
+            # this client's own limit (a max_connections option), not the server:
+            # a miss, and no failure of the server for the breaker to count
+            self._counters.add("rejected")
+            self._warn.warning("kvtier redis tier %s: every pooled connection is in use "
+                               "(max_connections); calls beyond it are misses", self.safe_url)
+            return FAILED
         except _TRANSPORT_ERRORS as exc:
             self._last_failure = self._describe(exc)  # named when the breaker opens
             self._breaker.record_failure()
