@@ -378,7 +378,8 @@ def _cluster_port() -> int:
     pytest.skip("no free port pair for a cluster node")
 
 
-def test_cluster_client(tmp_path: Path) -> None:
+def start_cluster() -> list[RedisServer]:
+    """Three real servers joined into a cluster (slots spread, no replicas)."""
     cli = shutil.which("redis-cli") or shutil.which("valkey-cli")
     if cli is None:
         pytest.skip("redis-cli (to create a cluster) is not installed")
@@ -398,6 +399,16 @@ def test_cluster_client(tmp_path: Path) -> None:
             time.sleep(0.1)
         for p in probes:
             p.close()
+    except BaseException:
+        for n in nodes:
+            n.close()
+        raise
+    return nodes
+
+
+def test_cluster_client(tmp_path: Path) -> None:
+    nodes = start_cluster()
+    try:
         tier = make(f"redis+cluster://127.0.0.1:{nodes[0].port}")
         assert tier.cluster
         keys = [block_key(i) for i in range(30)]
@@ -407,6 +418,31 @@ def test_cluster_client(tmp_path: Path) -> None:
         assert all(bytes(g) == payload(i, 4096).tobytes() for i, g in enumerate(got))  # type: ignore[arg-type]
         spread = [redis.Redis(port=n.port).dbsize() for n in nodes]
         assert sum(spread) == 30 and min(spread) > 0  # keys spread over every shard
+        assert tier.delete(keys[:3]) == 3 and tier.contains(keys[:4]) == [False] * 3 + [True]
+        tier.close()
+    finally:
+        for n in nodes:
+            n.close()
+
+
+def test_a_hung_cluster_node_fails_a_call_once_and_opens_the_breaker() -> None:
+    # redis-py's cluster pipeline retried each key of a stopped node with its
+    # own socket timeout (22 s for one get) and reported no failure
+    nodes = start_cluster()
+    try:
+        tier = make(f"redis+cluster://127.0.0.1:{nodes[0].port}", socket_timeout_s=0.3,
+                    failure_threshold=2)
+        keys = [block_key(i) for i in range(30)]
+        assert all(tier.put([(k, payload(i, 4096)) for i, k in enumerate(keys)]))
+        nodes[1].pause()
+        try:
+            for _ in range(2):
+                start_s = time.monotonic()
+                assert tier.get(keys) == [None] * 30
+                assert time.monotonic() - start_s < 10 * 0.3  # one timeout, not one per key
+            assert not tier.available and tier.stats()["breaker_opens"] == 1
+        finally:
+            nodes[1].resume()
         tier.close()
     finally:
         for n in nodes:

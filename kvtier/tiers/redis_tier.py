@@ -304,10 +304,8 @@ class RedisTier(Tier):
             chunk = keys[start : start + self.max_batch_keys]
 
             def exists(client: Any, chunk: list[bytes] = chunk) -> list[Any]:
-                pipe = client.pipeline(transaction=False)
-                for key in chunk:
-                    pipe.exists(self._rkey(key))
-                return list(pipe.execute(raise_on_error=False))
+                return self._pipelined(client, chunk,
+                                       lambda pipe, i: pipe.exists(self._rkey(chunk[i])))
 
             res = self._run(exists)
             if isinstance(res, _Failed):
@@ -338,10 +336,8 @@ class RedisTier(Tier):
             chunk = keys[start : start + self.max_batch_keys]
 
             def fetch(client: Any, chunk: list[bytes] = chunk) -> list[Any]:
-                pipe = client.pipeline(transaction=False)
-                for key in chunk:
-                    pipe.get(self._rkey(key))
-                return list(pipe.execute(raise_on_error=False))
+                return self._pipelined(client, chunk,
+                                       lambda pipe, j: pipe.get(self._rkey(chunk[j])))
 
             values = self._run(fetch)
             if isinstance(values, _Failed):
@@ -389,10 +385,7 @@ class RedisTier(Tier):
         keys = [k for k, _ in corrupt]
 
         def delete(client: Any) -> None:
-            pipe = client.pipeline(transaction=False)
-            for key in keys:
-                pipe.delete(self._rkey(key))
-            pipe.execute(raise_on_error=False)
+            self._pipelined(client, keys, lambda pipe, i: pipe.delete(self._rkey(keys[i])))
 
         self._run(delete)
         self._counters.add("corrupt", len(keys))
@@ -457,11 +450,10 @@ class RedisTier(Tier):
 
     def _store(self, client: Any, keys: list[bytes], views: list[memoryview]) -> list[Any]:
         """SET each value; replies (or ResponseError instances) in key order."""
-        if self.cluster:  # redis-py's cluster pipeline routes each key to its shard
-            pipe = client.pipeline(transaction=False)
-            for key, view in zip(keys, views, strict=True):
-                pipe.set(self._rkey(key), blockfile.encode(self._ns, key, view), px=self.ttl_ms)
-            return list(pipe.execute(raise_on_error=False))
+        if self.cluster:
+            return self._pipelined(client, keys, lambda pipe, i: pipe.set(
+                self._rkey(keys[i]), blockfile.encode(self._ns, keys[i], views[i]),
+                px=self.ttl_ms))
         # One connection, one pipelined send: the header and the caller's buffer go
         # to the socket as they are (no concatenated copy of the payload).
         pool = client.connection_pool
@@ -489,6 +481,41 @@ class RedisTier(Tier):
         finally:
             pool.release(conn)
 
+    def _pipelined(self, client: Any, keys: list[bytes],
+                   add: Callable[[Any, int], Any]) -> list[Any]:
+        """One command per key (``add(pipe, i)`` for ``keys[i]``), pipelined;
+        replies (or error instances) in key order.
+
+        A cluster gets one plain pipeline per node, sent in turn, so a node
+        that does not answer raises after one socket timeout (a failure the
+        breaker counts). redis-py's cluster pipeline instead retried each
+        command that timed out on its own: one hung node cost a timeout per
+        key, and the call returned no error. A moved slot (``MOVED``/``ASK``
+        replies, counted as errors) refreshes the slot map for the next call.
+        """
+        if not self.cluster:
+            pipe = client.pipeline(transaction=False)
+            for i in range(len(keys)):
+                add(pipe, i)
+            return list(pipe.execute(raise_on_error=False))
+        by_node: dict[str, tuple[Any, list[int]]] = {}
+        for i, key in enumerate(keys):
+            node = client.get_node_from_key(self._rkey(key))
+            by_node.setdefault(node.name, (node, []))[1].append(i)
+        out: list[Any] = [None] * len(keys)
+        moved = False
+        for node, indices in by_node.values():
+            pipe = client.get_redis_connection(node).pipeline(transaction=False)
+            for i in indices:
+                add(pipe, i)
+            for i, reply in zip(indices, pipe.execute(raise_on_error=False), strict=True):
+                out[i] = reply
+                moved = moved or (isinstance(reply, ResponseError)
+                                  and str(reply).startswith(("MOVED", "ASK")))
+        if moved:
+            client.nodes_manager.initialize()
+        return out
+
     def _set_prefix(self, key: bytes, value_len: int) -> bytes:
         rkey = self._rkey(key)
         nargs = 3 if self.ttl_ms is None else 5
@@ -508,10 +535,8 @@ class RedisTier(Tier):
         keys = check_batch(keys)
 
         def delete(client: Any) -> list[Any]:
-            pipe = client.pipeline(transaction=False)
-            for key in keys:
-                pipe.delete(self._rkey(key))
-            return list(pipe.execute(raise_on_error=False))
+            return self._pipelined(client, keys,
+                                   lambda pipe, i: pipe.delete(self._rkey(keys[i])))
 
         res = self._run(delete) if keys else []
         if isinstance(res, _Failed):
