@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -202,7 +203,13 @@ def test_leftover_temp_files_are_ignored_and_cleaned(tmp_path: Path) -> None:
     old_tmp = sub / f".{block_key(4).hex()[:32]}.{os.getpid()}.98.tmp"
     old_tmp.write_bytes(half)
     os.utime(old_tmp, (time.time() - 3600, time.time() - 3600))
-    again = make(tmp_path)
+    # a writer in another container: its pid means nothing here, its lock does
+    foreign_tmp = sub / f".{block_key(5).hex()[:32]}.{probe.pid}.7.tmp"
+    foreign_tmp.write_bytes(half)
+    with open(foreign_tmp, "rb") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        again = make(tmp_path)
+        assert foreign_tmp.exists()
     assert again.stats()["blocks"] == 1
     assert again.contains([block_key(2), block_key(3), block_key(4)]) == [False] * 3
     assert not dead_tmp.exists() and not old_tmp.exists()

@@ -65,6 +65,7 @@ from kvtier.tiers.disk_dir import (
     Scanned,
     TierDirectory,
     allocated,
+    lock_for_writing,
     unlink_quietly,
     write_full,
 )
@@ -556,12 +557,13 @@ class DiskTier(Tier):
                 self.dir.remake()
                 fd = os.open(tmp, O_WRITE, 0o600)
             try:
+                lock_for_writing(fd)  # held until the rename: see lock_for_writing
                 write_full(fd, [memoryview(header), view])
                 if self.fsync:
                     os.fsync(fd)
+                os.rename(tmp, path)
             finally:
                 os.close(fd)
-            os.rename(tmp, path)
         except OSError as exc:
             unlink_quietly(tmp)
             self._counters.add("dropped_stores")

@@ -31,7 +31,7 @@ from typing import Any
 from kvtier.tiers import blockfile
 from kvtier.tiers.blockfile import CorruptBlockError
 from kvtier.tiers.disk import MAX_DISK_KEY_BYTES, TMP_MAX_AGE_S
-from kvtier.tiers.disk_dir import BLOCK_SUFFIX, fan_out_index, stale_temp
+from kvtier.tiers.disk_dir import BLOCK_SUFFIX, being_written, fan_out_index, stale_temp
 from kvtier.tools.disk_layout import (
     Entry,
     fan_out_dirs,
@@ -271,7 +271,7 @@ def _verify_block(name: str, ns: bytes, entry: Entry, summary: VerifySummary, re
 def _verify_temp(entry: Entry, summary: VerifySummary, repair: bool, now: float,
                  tmp_max_age_s: float) -> None:
     summary.temp_files += 1
-    if not stale_temp(entry.name, now - entry.mtime, tmp_max_age_s):
+    if not stale_temp(entry.name, now - entry.mtime, tmp_max_age_s) or being_written(entry.path):
         return
     summary.stale_temp_files += 1
     if repair and remove_if_same(entry.path, entry.ident):
