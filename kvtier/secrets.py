@@ -26,7 +26,11 @@ ENV_PREFIX = "env:"
 """A secret setting's value that names the environment variable holding it."""
 
 SECRET_QUERY_KEYS = ("password", "pass", "passwd")
-"""URL query parameters that hold a password."""
+"""URL query parameters that hold the server's password."""
+
+HIDDEN_QUERY_KEYS = (*SECRET_QUERY_KEYS, "ssl_password")
+"""URL query parameters whose values are never shown: the server's password,
+and the TLS client key's (redis-py reads ``ssl_password`` from the query)."""
 
 
 MISPLACED_AT_HINT = (
@@ -72,7 +76,7 @@ def redact_url(url: str) -> str:
         if query:
             pairs = parse_qsl(query, keep_blank_values=True)
             query = urlencode(
-                [(k, "***" if k.lower() in SECRET_QUERY_KEYS else v) for k, v in pairs],
+                [(k, "***" if k.lower() in HIDDEN_QUERY_KEYS else v) for k, v in pairs],
                 safe="*/")
         return _unsplit(parts, netloc, query)
     except ValueError:

@@ -135,6 +135,10 @@ def without_secrets(extra: dict[str, Any]) -> tuple[dict[str, Any], dict[str, st
             public["redis_url"], password = split_url_password(url)
         except ValueError:
             raise ServeError("--redis-url: cannot parse the URL") from None
+        if "ssl_password=" in public["redis_url"].lower():
+            raise ServeError("--redis-url: ssl_password would be on vLLM's command line, "
+                             "which every user of the host can read: use a TLS key file "
+                             "without a passphrase, readable only by the engine's user")
         if password:
             env[REDIS_PASSWORD_ENV] = password
     salt = public.get("tenant_salt")

@@ -490,6 +490,9 @@ def test_redact_url() -> None:
     assert redact_url("redis://user:pw@h:1/0") == "redis://user:***@h:1/0"
     assert redact_url("rediss://:pw@h:1/0?password=x&db=2") == "rediss://:***@h:1/0?password=***&db=2"
     assert redact_url("redis://h:1/0") == "redis://h:1/0"
+    # the TLS client key's password, which redis-py also reads from the query
+    assert redact_url("rediss://h:1/0?ssl_password=k3y&ssl_keyfile=/k.pem") == \
+        "rediss://h:1/0?ssl_password=***&ssl_keyfile=/k.pem"
 
 
 class Clock:

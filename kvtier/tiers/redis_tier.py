@@ -54,6 +54,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
 from kvtier.secrets import (
+    HIDDEN_QUERY_KEYS,
     MISPLACED_AT_HINT,
     REDIS_PASSWORD_ENV,
     REDIS_URL_SCHEMES,
@@ -607,6 +608,8 @@ def _secret_values(url: str, options: Mapping[str, Any]) -> tuple[str, ...]:
         raw = urlsplit(url).password
         if raw:
             found += [raw, unquote(raw)]
+        found += [v for k, v in parse_qsl(urlsplit(url).query) if k.lower() in HIDDEN_QUERY_KEYS
+                  and v]
     for value in (options.get("password"), options.get("ssl_password")):
         if isinstance(value, str) and value:
             found.append(value)

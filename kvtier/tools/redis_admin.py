@@ -28,7 +28,7 @@ from urllib.parse import parse_qsl, urlsplit
 
 from redis.exceptions import RedisClusterException, RedisError, ResponseError
 
-from kvtier.secrets import SECRET_QUERY_KEYS
+from kvtier.secrets import HIDDEN_QUERY_KEYS
 from kvtier.tiers.base import TierConfigError, TierUnavailableError
 from kvtier.tiers.namespace import check_namespace
 from kvtier.tiers.redis_tier import DEFAULT_PASSWORD_ENV, RedisTier
@@ -191,7 +191,7 @@ def _secrets(url: str, password_env: str | None) -> list[str]:
     try:
         parts = urlsplit(url)
         found.append(parts.password or "")
-        found += [v for k, v in parse_qsl(parts.query) if k.lower() in SECRET_QUERY_KEYS]
+        found += [v for k, v in parse_qsl(parts.query) if k.lower() in HIDDEN_QUERY_KEYS]
     except ValueError:
         pass
     if password_env is not None:
