@@ -4,6 +4,7 @@ int argument that library code shares."""
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Collection
 
 
@@ -12,6 +13,14 @@ def require_positive_int(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     return value
+
+
+def is_positive_seconds(value: object) -> bool:
+    """Whether ``value`` is a finite number of seconds > 0 (bools, NaN and
+    infinity are not: a NaN interval compares false with everything, so a
+    timer built on it never fires)."""
+    return (not isinstance(value, bool) and isinstance(value, (int, float))
+            and 0 < value < math.inf)
 
 
 def positive_int(text: str) -> int:

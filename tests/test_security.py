@@ -376,6 +376,8 @@ def test_kvtier_serve_passes_an_encoded_password_decoded(
     {"cpu_bytes_to_use": 1, "redis_url": f"redis://:{ADMIN_PW}@h:1/0".encode()},
     {"cpu_bytes_to_use": 0, "redis_url": f"redis://:{ADMIN_PW}@h:1/0", "tenant_salt": SALT},
     {"cpu_bytes_to_use": 1, "redis_ttl_s": -1, "redis_url": f"redis://:{ADMIN_PW}@h:1/0"},
+    {"cpu_bytes_to_use": 1, "redis_ttl_s": float("inf"), "redis_url": f"redis://:{ADMIN_PW}@h:1/0"},
+    {"cpu_bytes_to_use": 1, "promotion_timeout_s": float("nan"), "tenant_salt": SALT},
     {"cpu_bytes_to_use": 1, "nonsense": SALT, "tenant_salt": SALT},
 ])
 def test_config_errors_never_echo_a_secret(extra: object) -> None:

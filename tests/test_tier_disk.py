@@ -506,8 +506,14 @@ def test_bad_config_is_explained(tmp_path: Path) -> None:
         DiskTier(tmp_path, "../escape", 1 << 20)
     with pytest.raises(TierConfigError, match="rescan_interval_s"):
         DiskTier(tmp_path, NS, 1 << 20, rescan_interval_s=0)
+    with pytest.raises(TierConfigError, match="rescan_interval_s"):
+        DiskTier(tmp_path, NS, 1 << 20, rescan_interval_s=float("nan"))  # it never rescanned
+    with pytest.raises(TierConfigError, match="tmp_max_age_s"):
+        DiskTier(tmp_path, NS, 1 << 20, tmp_max_age_s=float("inf"))
     with pytest.raises(TierConfigError, match="free_reserve_bytes"):
         DiskTier(tmp_path, NS, 1 << 20, free_reserve_bytes=-1)
+    with pytest.raises(TierConfigError, match="holds no block"):  # every store was dropped
+        DiskTier(tmp_path, NS, 128 << 10, max_block_bytes=256 << 10)
     a_file = tmp_path / "file"
     a_file.write_text("x")
     with pytest.raises(TierConfigError, match="not a directory"):

@@ -55,6 +55,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from kvtier.argtypes import is_positive_seconds
 from kvtier.errors import KVTierError
 from kvtier.events import Event
 from kvtier.keys import check_keys
@@ -128,6 +129,15 @@ class TierEventLog:
     def __len__(self) -> int:
         """Events not taken yet (at most ``max_events``)."""
         return len(self._events)
+
+
+def seconds_setting(tier: str, name: str, value: object) -> float:
+    """``value`` as seconds; ``TierConfigError`` naming ``tier`` and ``name``
+    unless it is a finite number > 0 (``kvtier.argtypes.is_positive_seconds``)."""
+    if not is_positive_seconds(value):
+        raise TierConfigError(f"{tier}: {name} must be a finite number of seconds > 0, "
+                              f"got {value!r}")
+    return float(value)  # type: ignore[arg-type]
 
 
 class Counters:

@@ -57,6 +57,7 @@ from kvtier.tiers.base import (
     check_batch,
     check_buffers,
     check_items,
+    seconds_setting,
 )
 from kvtier.tiers.blockfile import BytesLike, CorruptBlockError
 from kvtier.tiers.disk_dir import (
@@ -159,9 +160,16 @@ class DiskTier(Tier):
             None if max_block_bytes is None
             else _int_setting("max_block_bytes", max_block_bytes, 1)
         )
+        if self.max_block_bytes is not None:
+            largest = allocated(blockfile.header_size(self._ns, b"\0" * MAX_DISK_KEY_BYTES)
+                                + self.max_block_bytes)
+            if self.capacity_bytes < largest:
+                raise TierConfigError(
+                    f"disk tier: capacity_bytes (disk_bytes, per rank) {self.capacity_bytes} "
+                    f"holds no block: one takes up to {largest} bytes on disk")
         if rescan_interval_s is not None:
-            _seconds("rescan_interval_s", rescan_interval_s)
-        _seconds("tmp_max_age_s", tmp_max_age_s)
+            seconds_setting("disk tier", "rescan_interval_s", rescan_interval_s)
+        seconds_setting("disk tier", "tmp_max_age_s", tmp_max_age_s)
         self.fsync = bool(fsync)
         self.rescan_interval_s = rescan_interval_s
         self.tmp_max_age_s = float(tmp_max_age_s)
@@ -636,8 +644,3 @@ def _int_setting(name: str, value: object, low: int) -> int:
         raise TierConfigError(f"disk tier: {name} must be an int >= {low}, got {value!r}")
     return value
 
-
-def _seconds(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise TierConfigError(f"disk tier: {name} must be a number of seconds > 0, got {value!r}")
-    return float(value)

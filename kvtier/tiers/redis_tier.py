@@ -73,6 +73,7 @@ from kvtier.tiers.base import (
     check_batch,
     check_buffers,
     check_items,
+    seconds_setting,
 )
 from kvtier.tiers.blockfile import BytesLike, CorruptBlockError
 from kvtier.tiers.breaker import BreakerState, CircuitBreaker
@@ -89,6 +90,7 @@ _TRANSPORT_ERRORS: tuple[type[BaseException], ...] = (
     OSError,
 )
 T = TypeVar("T")
+_TIER = "redis tier"
 
 
 class _Failed:
@@ -155,9 +157,10 @@ class RedisTier(Tier):
             raise TierConfigError(f"key_prefix must be a non-empty str without ':', got "
                                   f"{key_prefix!r}")
         self.cluster = scheme.endswith("+cluster") if cluster is None else bool(cluster)
-        self.ttl_ms = None if ttl_s is None else max(1, int(_seconds("ttl_s", ttl_s) * 1000))
-        self.socket_timeout_s = _seconds("socket_timeout_s", socket_timeout_s)
-        self.connect_timeout_s = _seconds("connect_timeout_s", connect_timeout_s)
+        self.ttl_ms = (None if ttl_s is None
+                       else max(1, int(seconds_setting(_TIER, "ttl_s", ttl_s) * 1000)))
+        self.socket_timeout_s = seconds_setting(_TIER, "socket_timeout_s", socket_timeout_s)
+        self.connect_timeout_s = seconds_setting(_TIER, "connect_timeout_s", connect_timeout_s)
         self.max_batch_keys = _int_setting("max_batch_keys", max_batch_keys, 1)
         self.max_batch_bytes = _int_setting("max_batch_bytes", max_batch_bytes, 1)
         self.max_block_bytes = (
@@ -639,12 +642,6 @@ def _int_setting(name: str, value: object, low: int) -> int:
         raise TierConfigError(f"redis tier: {name} must be an int >= {low}, got {value!r}")
     return value
 
-
-def _seconds(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise TierConfigError(f"redis tier: {name} must be a number of seconds > 0, got "
-                              f"{value!r}")
-    return float(value)
 
 
 def _checked_url(url: object) -> tuple[str, str]:

@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+from kvtier.argtypes import is_positive_seconds
 from kvtier.errors import KVTierError
 from kvtier.leases import DEFAULT_LEASE_TIMEOUT_S, DEFAULT_MAX_LEASES_PER_REQUEST
 from kvtier.policies import policy_class
@@ -158,9 +159,9 @@ class KVTierSettings:
             _int_at_least("max_leased_blocks", self.max_leased_blocks, 1, "blocks")
         for key in ("lease_timeout_s", "promotion_timeout_s"):
             timeout = getattr(self, key)
-            if (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-                    or not timeout > 0):
-                raise ConfigError(f"{key} must be a number of seconds > 0, got {timeout!r}")
+            if not is_positive_seconds(timeout):
+                raise ConfigError(f"{key} must be a finite number of seconds > 0, "
+                                  f"got {timeout!r}")
         for key in ("disk_path", "redis_url", "tenant_salt", "model_identity"):
             value = getattr(self, key)
             if value is not None and (not isinstance(value, str) or not value):
@@ -187,10 +188,9 @@ class KVTierSettings:
             raise ConfigError(f"redis_async_lookups must be true or false, "
                               f"got {self.redis_async_lookups!r}")
         ttl = self.redis_ttl_s
-        if ttl is not None and (
-                isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or ttl <= 0):
-            raise ConfigError(f"redis_ttl_s must be a number of seconds > 0 (or unset), "
-                              f"got {ttl!r}")
+        if ttl is not None and not is_positive_seconds(ttl):
+            raise ConfigError(f"redis_ttl_s must be a finite number of seconds > 0 (or "
+                              f"unset), got {ttl!r}")
         if not isinstance(self.eviction_policy, str):
             raise ConfigError(f"eviction_policy must be a str, got {self.eviction_policy!r}")
         try:
