@@ -105,11 +105,17 @@ def offload(llm: LLM) -> None:
     E.drain(llm)
 
 
+def abort(engine: Any) -> None:
+    engine.abort_request(list(ABORTED))
+
+
 def run_requests(llm: LLM, prompts: Sequence[Sequence[int]],
-                 abort_when: Callable[[], bool] | None = None) -> Outputs:
-    """Step ``prompts`` (request ids ``r0``...) to the end; abort ABORTED the
-    first time ``abort_when()`` holds after a step. Fails if that never
-    happens or the engine does not finish within FINISH_WITHIN_S."""
+                 abort_when: Callable[[], bool] | None = None,
+                 interrupt: Callable[[Any], None] = abort) -> Outputs:
+    """Step ``prompts`` (request ids ``r0``...) to the end; ``interrupt`` the
+    engine (default: abort ABORTED) the first time ``abort_when()`` holds
+    after a step. Fails if that never happens or the engine does not finish
+    within FINISH_WITHIN_S."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -127,7 +133,7 @@ def run_requests(llm: LLM, prompts: Sequence[Sequence[int]],
                 outputs[out.request_id] = (tuple(out.outputs[0].token_ids),
                                            out.num_cached_tokens or 0)
         if pending_abort and abort_when is not None and abort_when():
-            engine.abort_request(list(ABORTED))
+            interrupt(engine)
             pending_abort = False
     assert not pending_abort, "the abort condition never held: nothing was in flight"
     return outputs
@@ -280,4 +286,33 @@ def test_preempted_requests_reload_and_match(
     assert preempted, "no request was preempted: the test did not test preemption"
     assert_served_and_identical(outputs, reference, [f"r{i}" for i in range(len(PROMPTS))])
     E.drain(llm)
+    assert held(manager) == CLEAN
+
+
+def test_connector_reset_while_stores_are_in_flight(
+    kvtier_engine: Callable[..., LLM], reference: list[tuple[int, ...]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``reset_prefix_cache(reset_connector=True)`` while requests run (the
+    server's ``POST /reset_prefix_cache?reset_external=true``): vLLM drops the
+    completions of the stores in flight and re-offers the running requests'
+    blocks; a completion counted against the old stores would leave blocks
+    WRITING for good (answering HIT_PENDING to every later request)."""
+    slow_background_copies(monkeypatch, "store")
+    llm = kvtier_engine()
+    manager = E.kvtier_manager(llm)
+
+    def reset(engine: Any) -> None:
+        assert engine.reset_prefix_cache(reset_running_requests=True, reset_connector=True)
+
+    outputs = run_requests(llm, PROMPTS, abort_when=lambda: manager.debug_state()["writing"] > 0,
+                           interrupt=reset)
+    assert sorted(outputs) == [f"r{i}" for i in range(len(PROMPTS))]
+    assert all(outputs[rid][0] == reference[int(rid[1:])] for rid in outputs)
+    E.drain(llm, steps=4)
+    assert held(manager) == CLEAN
+    assert llm.reset_prefix_cache()
+    again = E.generate(llm, PROMPTS, MAX_TOKENS)  # stored again after the reset: served
+    assert [g.token_ids for g in again] == reference
+    assert [g.num_cached_tokens for g in again] == [SERVED] * len(PROMPTS)
     assert held(manager) == CLEAN
