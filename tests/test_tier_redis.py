@@ -472,6 +472,8 @@ def test_bad_config_is_explained() -> None:
         with pytest.raises(TierConfigError, match="decode_responses"):
             RedisTier(url, NS, client_options=options)
     RedisTier("redis://127.0.0.1:1/0?decode_responses=false", NS).close()
+    upper = RedisTier("REDIS+CLUSTER://127.0.0.1:1", NS)  # a scheme is case-insensitive
+    assert upper.cluster and upper._url == "REDIS://127.0.0.1:1"
     tier = RedisTier("redis://127.0.0.1:1", NS, max_block_bytes=10)
     with pytest.raises(ValueError, match="max_block_bytes"):
         tier.put([(block_key(1), b"x" * 11)])

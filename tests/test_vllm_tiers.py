@@ -195,6 +195,9 @@ def test_tier_settings_are_validated() -> None:
     ({"redis_write_policy": "evict", "redis_url": None}, "redis_url"),
     ({"redis_ttl_s": 0}, "redis_ttl_s"),
     ({"redis_ttl_s": True}, "redis_ttl_s"),
+    ({"redis_ttl_s": float("inf")}, "redis_ttl_s"),
+    ({"redis_url": "http://cache:6379"}, "scheme"),  # refused before the engine loads
+    ({"redis_url": "cache:6379"}, "scheme"),
     ({"redis_async_lookups": "yes"}, "redis_async_lookups"),
     ({"model_identity": ""}, "model_identity"),
     ({"promotion_timeout_s": 0}, "promotion_timeout_s"),

@@ -169,7 +169,9 @@ class RedisTier(Tier):
         )
         self._prefix = f"{key_prefix}:{self.namespace}:".encode()
         self._ns = self.namespace.encode()
-        self._url = url.replace("+cluster://", "://", 1) if "+cluster://" in url else url
+        # the scheme without "+cluster" (any case): redis-py's own URL schemes
+        self._url = (url[:len(scheme) - len("+cluster")] + url[len(scheme):]
+                     if scheme.endswith("+cluster") else url)
         self._options = _options_with_password(self._url, client_options, password_env)
         if _decodes_responses(self._url, self._options):
             raise TierConfigError("redis tier: decode_responses must stay off: blocks are "

@@ -14,7 +14,13 @@ from kvtier.argtypes import is_positive_seconds
 from kvtier.errors import KVTierError
 from kvtier.leases import DEFAULT_LEASE_TIMEOUT_S, DEFAULT_MAX_LEASES_PER_REQUEST
 from kvtier.policies import policy_class
-from kvtier.secrets import ENV_PREFIX, MISPLACED_AT_HINT, misplaced_at, redact_url
+from kvtier.secrets import (
+    ENV_PREFIX,
+    MISPLACED_AT_HINT,
+    REDIS_URL_SCHEMES,
+    misplaced_at,
+    redact_url,
+)
 from kvtier.tiers.cascade import DEFAULT_PROMOTION_TIMEOUT_S, WRITE_POLICIES
 
 VLLM_KEYS = frozenset(
@@ -167,8 +173,14 @@ class KVTierSettings:
             if value is not None and (not isinstance(value, str) or not value):
                 raise ConfigError(f"{key} must be a non-empty str (or unset), got "
                                   f"{_shown(key, value)}")
-        if self.redis_url is not None and misplaced_at(self.redis_url):
-            raise ConfigError(f"redis_url {redact_url(self.redis_url)!r}: {MISPLACED_AT_HINT}")
+        if self.redis_url is not None:
+            if misplaced_at(self.redis_url):
+                raise ConfigError(f"redis_url {redact_url(self.redis_url)!r}: "
+                                  f"{MISPLACED_AT_HINT}")
+            scheme = self.redis_url.partition("://")[0].lower()
+            if "://" not in self.redis_url or scheme not in REDIS_URL_SCHEMES:
+                raise ConfigError(f"redis_url {redact_url(self.redis_url)!r}: the scheme "
+                                  f"must be one of {list(REDIS_URL_SCHEMES)}")
         if self.disk_path is not None and self.disk_bytes is None:
             raise ConfigError("disk_bytes is required with disk_path: the disk tier's size")
         if self.disk_bytes is not None:
