@@ -68,6 +68,10 @@ DEFAULT_PROMOTION_TIMEOUT_S = 2.0
 """How long a request waits for a block to come up from a lower tier before it
 computes the block instead: the most a slow or stuck tier adds to its TTFT."""
 
+RESET_WAIT_S = 1.0
+"""How long ``reset`` waits for I/O jobs before abandoning them (it runs on the
+scheduler's thread; an abandoned job is safe, see ``reset``)."""
+
 WritePolicy = Literal["store", "evict"]
 WRITE_POLICIES: tuple[WritePolicy, ...] = ("store", "evict")
 RegionSource = SlotSource | Callable[[], SlotSource | None]
@@ -417,13 +421,14 @@ class TierCascade:
             self.on_schedule_end()
         return True
 
-    def reset(self, timeout_s: float = 30.0, *, owed_completions: bool = True) -> None:
+    def reset(self, timeout_s: float = RESET_WAIT_S, *, owed_completions: bool = True) -> None:
         """Let in-flight jobs finish, then ``manager.reset(owed_completions=...)``
         and forget failed keys, probe answers and use counts.
 
         Jobs still running after ``timeout_s`` are abandoned: the slots they
         read or write are held back from the manager until each is applied
-        (never handed to another block under them), and their results dropped.
+        (never handed to another block under them), and their results dropped
+        (a write still lands whole in its tier: its slot kept its bytes).
         """
         busy: list[int] = []
         if not self.drain(timeout_s):
