@@ -109,13 +109,19 @@ def extra_config(args: argparse.Namespace) -> dict[str, Any]:
     extra: dict[str, Any] = dict(SPEC)
     for option in args.kvtier:
         key, sep, value = option.partition("=")
+        key = key.strip()
         if not sep or not key:
             raise ServeError(f"--kvtier takes KEY=VALUE, got {option!r}")
-        extra[key.strip()] = _setting_value(value)
+        extra[key] = _setting_value(value)
     for dest, key in FLAG_KEYS.items():
         value = getattr(args, dest)
-        if value is not None:
-            extra[key] = value
+        if value is None:
+            continue
+        if key in extra and extra[key] != value:
+            flag = "--" + dest.replace("_", "-")
+            raise ServeError(f"{key} given twice, as {flag} and as --kvtier {key}=...: "
+                             "give it once")
+        extra[key] = value
     extra.setdefault("cpu_bytes_to_use", default_cpu_bytes())
     try:
         KVTierSettings.from_extra_config(extra)

@@ -65,6 +65,7 @@ def test_secrets_never_reach_the_command(capsys: pytest.CaptureFixture[str]) -> 
     (["--kv_transfer_config={}"], "builds --kv-transfer-config itself"),
     (["--kv-offloading-size", "8"], "--cpu-bytes instead"),
     (["--redis-url", "rediss://h:1/0?ssl_password=k3y"], "ssl_password would be on vLLM's"),
+    (["--policy", "lru", "--kvtier", "eviction_policy=plfu"], "given twice"),
     (["--kv_offloading_backend=native"], "vLLM's own CPU offloading"),
 ])
 def test_bad_values_are_refused_before_the_engine_starts(
