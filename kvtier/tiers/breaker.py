@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from typing import Literal
 
-from kvtier.tiers.base import TierConfigError
+from kvtier.tiers.base import TierConfigError, seconds_setting
 
 BreakerState = Literal["closed", "open", "half_open"]
 
@@ -53,8 +53,7 @@ class CircuitBreaker:
             ("reset_timeout_s", reset_timeout_s),
             ("max_reset_timeout_s", max_reset_timeout_s),
         ):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                raise TierConfigError(f"{name} must be a number of seconds > 0, got {value!r}")
+            seconds_setting("circuit breaker", name, value)
         if max_reset_timeout_s < reset_timeout_s:
             raise TierConfigError("max_reset_timeout_s must be >= reset_timeout_s")
         self.failure_threshold = failure_threshold

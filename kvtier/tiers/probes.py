@@ -16,6 +16,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvtier.argtypes import is_positive_seconds
+
 DEFAULT_PROBE_TTL_S = 2.0
 DEFAULT_PROBE_TIMEOUT_S = 1.0
 """A healthy server answers in milliseconds; past this a request stops waiting
@@ -53,8 +55,9 @@ class ExistenceProbes:
         max_keys: int = DEFAULT_MAX_PROBES,
     ) -> None:
         for name, value in (("ttl_s", ttl_s), ("timeout_s", timeout_s)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                raise ValueError(f"probe {name} must be a number of seconds > 0, got {value!r}")
+            if not is_positive_seconds(value):
+                raise ValueError(f"probe {name} must be a finite number of seconds > 0, "
+                                 f"got {value!r}")
         if isinstance(max_keys, bool) or not isinstance(max_keys, int) or max_keys < 1:
             raise ValueError(f"max_probes must be an int >= 1, got {max_keys!r}")
         self.ttl_s = float(ttl_s)
