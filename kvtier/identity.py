@@ -22,7 +22,7 @@ tokenizer, which only decides which token ids a text becomes; the ids
 themselves are what the keys hash.
 
 Memory: one read buffer (``kvtier.file_digests.READ_BYTES``) and the
-remembered digests (at most ``MAX_ENTRIES``).
+remembered digests (at most ``kvtier.file_digests.MAX_ENTRIES``).
 """
 
 from __future__ import annotations
