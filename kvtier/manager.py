@@ -9,6 +9,7 @@ from typing import Any
 from kvtier.argtypes import require_positive_int
 from kvtier.errors import MissingBlocksError, ProtocolError
 from kvtier.events import Event, EventLog
+from kvtier.free_slots import FreeSlots
 from kvtier.history import EvictionHistory
 from kvtier.holds import BlockHolds, decrement, increment
 from kvtier.keys import check_keys, key_group
@@ -86,16 +87,13 @@ class OffloadManager:
         self._wants_reuse = self.policy.wants_reuse
         self._wants_demand = self.policy.wants_demand
         self._wants_running_order = self.policy.wants_running_order
-        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
+        self._free = FreeSlots(num_blocks)
         # Promotions in flight (also in ``_writing``): see ``reserve``.
         self._reserved: set[bytes] = set()
         self._evict_listener: Callable[[list[bytes], list[int]], None] | None = None
         self._epoch = 0
         # Contexts from before this epoch owe no completions (see ``reset``).
         self._void_before = 0
-        # Slots an outside I/O job may still use after a reset: not free until
-        # ``release_slots``; at most ``num_blocks``.
-        self._held_back: set[int] = set()
         self._reset_counters()
 
     def _reset_counters(self) -> None:
@@ -359,7 +357,7 @@ class OffloadManager:
             if self._evict_listener is not None:
                 self._evict_listener(victims, freed)
         finally:  # the victims are gone from the policy: their slots come back
-            self._free.extend(freed)
+            self._free.give_back(freed)
             self.evictions += len(victims)
             self._history.record(victims)
             self._events.emit(victims, "removed")
@@ -382,10 +380,7 @@ class OffloadManager:
 
     def _take_slots(self, keys: list[bytes]) -> list[int]:
         """Give distinct new ``keys`` free slots, WRITING (room was made already)."""
-        free = self._free
-        slots = free[-len(keys):]
-        del free[-len(keys):]
-        slots.reverse()
+        slots = self._free.take(len(keys))
         self._slot.update(zip(keys, slots, strict=True))
         self._holds.write(keys)
         self.policy.insert(keys)
@@ -471,7 +466,7 @@ class OffloadManager:
     def _free_slots(self, keys: list[bytes]) -> None:
         """Forget resident ``keys`` that hold nothing (a failed write): slots freed."""
         slot, remove = self._slot, self.policy.remove
-        self._free.extend([slot.pop(k) for k in keys])
+        self._free.give_back([slot.pop(k) for k in keys])
         for key in keys:
             remove(key)
 
@@ -560,19 +555,13 @@ class OffloadManager:
         out); they are handed out again only after ``release_slots``.
         Emits a ``removed`` event for the blocks that were ready.
         """
-        busy = set(busy_slots)
-        bad = [s for s in busy if type(s) is not int or not 0 <= s < self.num_blocks]
-        if bad:
-            raise ValueError(f"busy_slots: not a slot of this manager: {bad[0]!r}")
+        self._free.reset(busy_slots)  # first: it checks them
         self._events.emit([k for k in self._slot if k not in self._writing], "removed")
         self._epoch += 1
         if not owed_completions:
             self._void_before = self._epoch
         self._slot.clear()
         self._reserved.clear()
-        self._held_back |= busy
-        held = self._held_back
-        self._free = [s for s in range(self.num_blocks - 1, -1, -1) if s not in held]
         self.policy.clear()
         self._holds.clear(self.policy.blocked)  # a policy may rebind it in clear()
         self.store_gate.clear()
@@ -582,9 +571,7 @@ class OffloadManager:
     def release_slots(self, slots: Iterable[int]) -> None:
         """Hand out again slots held back by ``reset(busy_slots=...)`` (their
         I/O ended); any other slot is ignored."""
-        back = [s for s in dict.fromkeys(slots) if s in self._held_back]
-        self._held_back.difference_update(back)
-        self._free.extend(back)
+        self._free.release(slots)
 
     def take_events(self) -> list[Event]:
         """Return and forget the events since the last call (empty when disabled)."""
@@ -649,7 +636,7 @@ class OffloadManager:
             "pinned": len(self._holds.pins),
             "leased": len(self._lease_count),
             "reserved": len(self._reserved),
-            "held_back": len(self._held_back),
+            "held_back": len(self._free.held_back),
             "internal_pins": len(self._holds.internal),
             "unevictable": len(self._holds.blocked),
             "events": len(self._events),
