@@ -58,6 +58,45 @@ def session_pids(session: int) -> list[int]:
     return out
 
 
+_TCP_LISTEN = "0A"
+
+
+def listening_sockets(port: int) -> set[str] | None:
+    """Inodes of the TCP sockets listening on ``port`` (IPv4 and IPv6); None
+    when ``/proc/net`` cannot tell."""
+    found: set[str] = set()
+    readable = False
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                lines = f.readlines()[1:]
+        except OSError:
+            continue
+        readable = True
+        for line in lines:
+            fields = line.split()
+            if (len(fields) > 9 and fields[3] == _TCP_LISTEN
+                    and int(fields[1].rsplit(":", 1)[1], 16) == port):
+                found.add(fields[9])
+    return found if readable else None
+
+
+def process_holds_socket(pid: int, inodes: set[str]) -> bool:
+    """Whether process ``pid`` has one of the socket ``inodes`` open."""
+    wanted = {f"socket:[{inode}]" for inode in inodes}
+    with contextlib.suppress(OSError):
+        for fd in os.scandir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                if os.readlink(fd.path) in wanted:
+                    return True
+    return False
+
+
+def session_holds_socket(session: int, inodes: set[str]) -> bool:
+    """Whether a process of ``session`` has one of the socket ``inodes`` open."""
+    return any(process_holds_socket(pid, inodes) for pid in session_pids(session))
+
+
 class ServerProcess:
     """A server command, its port and log file; a context manager (start/stop).
 
@@ -83,22 +122,44 @@ class ServerProcess:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> ServerProcess:
-        """Start the command and wait until ``/health`` answers 200."""
+        """Start the command and wait until ``/health`` answers 200 while it runs.
+
+        However the wait ends without a ready server (its exit, the timeout,
+        an interrupt), what the command started is stopped before this returns
+        or raises: it runs in its own session, where a Ctrl-C of the terminal
+        never reaches it.
+        """
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT,
                                          env=self.env, start_new_session=True)
+        try:
+            self._wait_ready(self.proc)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_ready(self, proc: subprocess.Popen[bytes]) -> None:
         deadline = time.monotonic() + self.ready_timeout_s
         while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise ServerError(f"server exited with status {self.proc.returncode} "
+            if proc.poll() is not None:
+                raise ServerError(f"server exited with status {proc.returncode} "
                                   f"before it was ready:\n{self.log_tail()}")
-            if self._healthy():
-                return self
+            if self._healthy() and self._owns_port(proc.pid):
+                return
             time.sleep(0.5)
-        self.stop()
         raise ServerError(f"server not ready after {self.ready_timeout_s:.0f} s:\n"
                           f"{self.log_tail()}")
+
+    def _owns_port(self, session: int) -> bool:
+        """Whether the server answering on the port is this one: another
+        process may have taken the port meanwhile (it was free when chosen),
+        and this server will then fail to bind it. True when /proc cannot tell."""
+        inodes = listening_sockets(self.port)
+        if inodes is None:
+            return True
+        return bool(inodes) and session_holds_socket(session, inodes)
 
     def _healthy(self) -> bool:
         try:

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Self
 
+from kvtier.server_process import listening_sockets, process_holds_socket
+
 SERVER_BINARIES = ("redis-server", "valkey-server")
 SERVER_ENV = "KVTIER_REDIS_SERVER"
 """Environment variable naming the server binary to use instead of PATH's."""
@@ -89,8 +91,14 @@ class RedisServer:
         self.tls = tls
         self.config = dict(config or {})
         self.port = port or free_port()
-        self._dir = tempfile.mkdtemp(prefix="kvtier-redis-")
+        self._dir_path: str | None = None  # made by the first start, removed by close
         self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def _dir(self) -> str:
+        if self._dir_path is None:
+            self._dir_path = tempfile.mkdtemp(prefix="kvtier-redis-")
+        return self._dir_path
 
     @property
     def url(self) -> str:
@@ -122,8 +130,9 @@ class RedisServer:
             )
         else:
             lines["port"] = str(self.port)
-        if self.password is not None:
-            lines["requirepass"] = self.password
+        if self.password is not None:  # quoted: a space or quote is part of it
+            escaped = self.password.replace("\\", "\\\\").replace('"', '\\"')
+            lines["requirepass"] = f'"{escaped}"'
         lines.update(self.config)
         return "".join(f"{k} {v}\n" for k, v in lines.items())
 
@@ -146,17 +155,34 @@ class RedisServer:
                 raise RuntimeError(f"{self.binary} exited early: {self.log_tail()}")
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
-                    return self
+                    pass
             except OSError:
                 time.sleep(0.02)
+                continue
+            if self._listens():
+                return self
+            time.sleep(0.02)  # another process's port: this server will fail to bind
         self.stop()
         raise TimeoutError(f"{self.binary} did not listen on port {self.port}: {self.log_tail()}")
 
+    def _listens(self) -> bool:
+        """Whether this server holds the socket listening on its port (True when
+        /proc cannot tell)."""
+        inodes = listening_sockets(self.port)
+        if inodes is None:
+            return True
+        return (self.proc is not None and bool(inodes)
+                and process_holds_socket(self.proc.pid, inodes))
+
     def log_tail(self, chars: int = 2000) -> str:
+        """The end of the server's log, its password hidden."""
+        if self._dir_path is None:
+            return ""
         try:
-            return (Path(self._dir) / "server.log").read_text(errors="replace")[-chars:]
+            text = (Path(self._dir_path) / "server.log").read_text(errors="replace")[-chars:]
         except OSError:
             return ""
+        return text.replace(self.password, "***") if self.password else text
 
     def stop(self, kill: bool = False) -> None:
         """Stop the server (SIGKILL with ``kill``: no shutdown at all)."""
@@ -186,7 +212,9 @@ class RedisServer:
 
     def close(self) -> None:
         self.stop(kill=True)
-        shutil.rmtree(self._dir, ignore_errors=True)
+        if self._dir_path is not None:
+            shutil.rmtree(self._dir_path, ignore_errors=True)
+            self._dir_path = None
 
     def __enter__(self) -> Self:
         return self.start()
