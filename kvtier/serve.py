@@ -28,6 +28,7 @@ import shlex
 import sys
 from collections.abc import Sequence
 from typing import Any
+from urllib.parse import parse_qsl, urlsplit
 
 from kvtier.argtypes import byte_size, positive_int
 from kvtier.secrets import (
@@ -50,11 +51,16 @@ FLAG_KEYS = {
 }
 """``kvtier serve`` flag (argparse dest) -> kvtier setting."""
 
-_OWN_TRANSFER_FLAGS = ("--kv-transfer-config", "--kv_transfer_config")
-_OFFLOADING_FLAGS = ("--kv-offloading-size", "--kv_offloading_size",
-                     "--kv-offloading-backend", "--kv_offloading_backend")
+_OWN_TRANSFER_FLAG = "--kv-transfer-config"
+_OFFLOADING_FLAGS = ("--kv-offloading-size", "--kv-offloading-backend")
 """vLLM's own offloading flags: vLLM rewrites the transfer config from them
 (``cpu_bytes_to_use`` from the size, the whole connector for another backend)."""
+
+
+def _flag_name(arg: str) -> str:
+    """A vLLM option's name as vLLM reads it: ``_`` and ``-`` alike, a value
+    after ``=`` and a ``.KEY`` (one key of a JSON option) dropped."""
+    return arg.split("=", 1)[0].split(".", 1)[0].replace("_", "-")
 
 
 class ServeError(ValueError):
@@ -141,7 +147,8 @@ def without_secrets(extra: dict[str, Any]) -> tuple[dict[str, Any], dict[str, st
             public["redis_url"], password = split_url_password(url)
         except ValueError:
             raise ServeError("--redis-url: cannot parse the URL") from None
-        if "ssl_password=" in public["redis_url"].lower():
+        query = parse_qsl(urlsplit(public["redis_url"]).query, keep_blank_values=True)
+        if any(k.lower() == "ssl_password" for k, _ in query):
             raise ServeError("--redis-url: ssl_password would be on vLLM's command line, "
                              "which every user of the host can read: use a TLS key file "
                              "without a passphrase, readable only by the engine's user")
@@ -157,8 +164,8 @@ def without_secrets(extra: dict[str, Any]) -> tuple[dict[str, Any], dict[str, st
 def vllm_arguments(vllm_args: Sequence[str], public_extra: dict[str, Any]) -> list[str]:
     """``vllm serve`` arguments: the user's vLLM options, then kvtier's transfer config."""
     for arg in vllm_args:
-        flag = arg.split("=", 1)[0]
-        if flag in _OWN_TRANSFER_FLAGS:
+        flag = _flag_name(arg) if arg.startswith("--") else ""
+        if flag == _OWN_TRANSFER_FLAG:
             raise ServeError("kvtier serve builds --kv-transfer-config itself: give kvtier's "
                              "settings as flags or --kvtier KEY=VALUE instead")
         if flag in _OFFLOADING_FLAGS:
