@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import io
 import json
 import os
@@ -20,6 +21,7 @@ from kvtier.tiers import DiskTier, KVLayout
 from kvtier.tiers.blockfile import header_size
 from kvtier.tiers.disk_dir import LAYOUT_DIR, fan_out_index
 from kvtier.tiers.redis_server import RedisServer, find_server_binary, free_port
+from kvtier.tools import disk_admin
 
 NS_A = KVLayout("tools-model", "bfloat16", 16, 2, 2, 64).namespace()
 NS_B = KVLayout("tools-model", "float16", 16, 2, 2, 64).namespace()
@@ -173,6 +175,60 @@ def test_verify_finds_and_repairs_exactly_the_bad_blocks(
     tier = DiskTier(cache, NS_A, 64 << 20, free_reserve_bytes=0)
     assert tier.get([block_key(0)]) == [memoryview(payload(0, 1000))]
     tier.close()
+
+
+def test_verify_reports_odd_names_and_sweeps_a_manifest_temp_file(
+    cache: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # a name that is not UTF-8 (disk damage, a copied tree) or holds a newline
+    # is reported without breaking the run or forging a line of the report
+    fan_out = block_path(cache, NS_A, 0).parent
+    odd = os.fsencode(str(fan_out)) + b"/\xff\xfe.kvb"
+    with open(odd, "wb") as f:
+        f.write(b"junk")
+    (fan_out / "ab\nchecked 0 blocks: all good.kvb").write_bytes(b"junk")
+    truncated = block_path(cache, NS_B, 101)
+    truncated.write_bytes(truncated.read_bytes()[:50])
+    ns_dir = cache / LAYOUT_DIR / NS_A
+    left = ns_dir / f".namespace.json.{dead_pid()}.0.tmp"  # a manifest writer that died
+    left.write_bytes(b"{")
+    code, out, _ = run(capsys, "disk", "verify", str(cache), "--repair")
+    assert code == 1
+    assert "3 bad blocks" in out and "removed 3 bad blocks and 1 stale temp file" in out
+    assert all(line.startswith(("bad  ", "checked ", "removed ")) or not line
+               for line in out.splitlines())
+    assert not os.path.lexists(odd) and not truncated.exists() and not left.exists()
+
+
+def test_inspect_leaves_a_locked_temp_file_out_of_the_stale_ones(
+    cache: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # a writer in another container: its pid is not visible here, its lock is
+    fan_out = block_path(cache, NS_A, 0).parent
+    foreign = fan_out / f".{block_key(0).hex()}.{dead_pid()}.0.tmp"
+    foreign.write_bytes(b"partial")
+    with open(foreign, "rb") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        _, out, _ = run(capsys, "disk", "inspect", str(cache), "--json")
+        ns = next(n for n in json.loads(out)["namespaces"] if n["namespace"] == NS_A)
+        assert (ns["temp_files"], ns["stale_temp_files"]) == (1, 0)
+        run(capsys, "disk", "verify", str(cache), "--repair")
+        assert foreign.exists()
+
+
+def test_repair_leaves_a_file_written_again_at_the_same_path(tmp_path: Path) -> None:
+    # the checked file was replaced (an engine removed the bad copy and stored
+    # a good one, maybe on the same inode number): it must stay
+    path = tmp_path / "block.kvb"
+    path.write_bytes(b"bad copy")
+    _, ident = disk_admin.read_block_file(str(path))
+    path.unlink()
+    time.sleep(0.01)
+    path.write_bytes(b"good copy")
+    assert not disk_admin.remove_if_same(str(path), ident)
+    assert path.read_bytes() == b"good copy"
+    _, ident = disk_admin.read_block_file(str(path))
+    assert disk_admin.remove_if_same(str(path), ident) and not path.exists()
 
 
 def test_verify_json_lines_and_one_namespace(

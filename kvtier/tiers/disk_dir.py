@@ -85,9 +85,10 @@ def lock_for_writing(fd: int) -> None:
     its fd is closed, after the rename). A scan of another process, maybe in
     another pid namespace (a container), whose pid test cannot see this
     writer, then leaves the file alone. Best effort: a file system without
-    locks (some NFS setups) leaves the pid and age rules alone to decide."""
+    locks (some NFS setups) leaves the pid and age rules alone to decide.
+    Blocking: a scan's probe (``being_written``) holds the lock an instant."""
     with contextlib.suppress(OSError):
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_EX)
 
 
 def being_written(path: str) -> bool:

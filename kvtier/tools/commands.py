@@ -27,7 +27,7 @@ from kvtier.argtypes import positive_int
 from kvtier.errors import PROG, CommandError
 from kvtier.progress import make_progress
 from kvtier.tools import AdminError
-from kvtier.tools.formatting import human_age, human_bytes, plural, table
+from kvtier.tools.formatting import human_age, human_bytes, plural, printable, table
 
 if TYPE_CHECKING:
     from kvtier.tools.disk_admin import (
@@ -192,7 +192,7 @@ def cmd_disk_verify(args: argparse.Namespace) -> int:
         if args.json:
             progress.write(json.dumps({"type": "bad", **bad.to_dict()}))
         else:
-            progress.write(f"bad  {bad.path}: {bad.reason}"
+            progress.write(f"bad  {printable(bad.path, 4096)}: {bad.reason}"
                            + ("  (removed)" if bad.removed else ""))
 
     try:

@@ -34,7 +34,9 @@ from kvtier.tiers.disk import MAX_DISK_KEY_BYTES, TMP_MAX_AGE_S
 from kvtier.tiers.disk_dir import BLOCK_SUFFIX, being_written, fan_out_index, stale_temp
 from kvtier.tools.disk_layout import (
     Entry,
+    FileIdent,
     fan_out_dirs,
+    file_ident,
     layout_root,
     manifest_model,
     manifest_path,
@@ -84,7 +86,8 @@ class NamespaceReport:
             self.other_files += 1
         elif entry.kind == "temp":
             self.temp_files += 1
-            self.stale_temp_files += stale_temp(entry.name, now - entry.mtime, tmp_max_age_s)
+            self.stale_temp_files += (stale_temp(entry.name, now - entry.mtime, tmp_max_age_s)
+                                      and not being_written(entry.path))
         else:
             self.blocks += 1
             self.bytes += entry.size
@@ -278,8 +281,8 @@ def _verify_temp(entry: Entry, summary: VerifySummary, repair: bool, now: float,
         summary.temp_removed += 1
 
 
-def check_block(entry: Entry, namespace: bytes) -> tuple[str | None, tuple[int, int]]:
-    """``(reason, (st_dev, st_ino))`` for one block file; reason None: it holds.
+def check_block(entry: Entry, namespace: bytes) -> tuple[str | None, FileIdent]:
+    """``(reason, file ident)`` for one block file; reason None: it holds.
 
     Raises ``FileNotFoundError`` when the file is gone (evicted meanwhile).
     """
@@ -315,8 +318,8 @@ def block_key_of(name: str) -> bytes | None:
     return key if 1 <= len(key) <= MAX_DISK_KEY_BYTES else None
 
 
-def read_block_file(path: str) -> tuple[memoryview, tuple[int, int]]:
-    """The whole file (symlinks not followed) and its ``(st_dev, st_ino)``.
+def read_block_file(path: str) -> tuple[memoryview, FileIdent]:
+    """The whole file (symlinks not followed) and its ``FileIdent``.
 
     Raises :class:`CorruptBlockError` for a file that is not a regular one or is
     larger than :data:`MAX_BLOCK_FILE_BYTES`, ``OSError`` when unreadable.
@@ -340,7 +343,7 @@ def read_block_file(path: str) -> tuple[memoryview, tuple[int, int]]:
             if n == 0:
                 break
             got += n
-        return buf[:got], (st.st_dev, st.st_ino)
+        return buf[:got], file_ident(st)
     finally:
         os.close(fd)
 
@@ -352,12 +355,12 @@ def _reason(exc: CorruptBlockError) -> str:
     return text[len(prefix):] if text.startswith(prefix) else exc.reason
 
 
-def remove_if_same(path: str, ident: tuple[int, int]) -> bool:
+def remove_if_same(path: str, ident: FileIdent) -> bool:
     """Unlink ``path`` if it still names the file ``ident`` was taken from (an
     engine may have replaced it by a good copy meanwhile); True when removed."""
     try:
         st = os.lstat(path)
-        if (st.st_dev, st.st_ino) != ident:
+        if file_ident(st) != ident:
             return False
         os.unlink(path)
     except OSError:

@@ -46,8 +46,18 @@ class Entry:
     fan_out: str
     size: int
     mtime: float
-    ident: tuple[int, int]
-    """``(st_dev, st_ino)``: tells whether the path still names this file."""
+    ident: FileIdent
+    """Tells whether the path still names this file (``file_ident``)."""
+
+
+FileIdent = tuple[int, int, int, int]
+"""``(st_dev, st_ino, st_mtime_ns, st_ctime_ns)`` of a file: an inode number
+freed by one file and reused by the next has other times."""
+
+
+def file_ident(st: os.stat_result) -> FileIdent:
+    """The ``FileIdent`` of a ``stat`` result."""
+    return st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns
 
 
 def layout_root(path: str | os.PathLike[str]) -> Path:
@@ -163,15 +173,14 @@ def _entry(entry: os.DirEntry[str], fan_out: str) -> Entry | None:
     except FileNotFoundError:
         return None
     except OSError:
-        return Entry("other", entry.path, entry.name, fan_out, 0, 0.0, (0, 0))
+        return Entry("other", entry.path, entry.name, fan_out, 0, 0.0, (0, 0, 0, 0))
     kind: EntryKind = "other"
-    if fan_out and stat.S_ISREG(st.st_mode):
-        if entry.name.endswith(BLOCK_SUFFIX):
+    if stat.S_ISREG(st.st_mode):
+        if fan_out and entry.name.endswith(BLOCK_SUFFIX):
             kind = "block"
-        elif is_temp_name(entry.name):
+        elif is_temp_name(entry.name):  # a block's, or the manifest's (no fan-out)
             kind = "temp"
-    return Entry(kind, entry.path, entry.name, fan_out, st.st_size, st.st_mtime,
-                 (st.st_dev, st.st_ino))
+    return Entry(kind, entry.path, entry.name, fan_out, st.st_size, st.st_mtime, file_ident(st))
 
 
 def manifest_path(ns_dir: Path) -> Path:
