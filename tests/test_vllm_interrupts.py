@@ -144,6 +144,17 @@ def held(manager: OffloadManager) -> dict[str, int]:
     return {name: state[name] for name in CLEAN}
 
 
+def stores_done(llm: LLM, manager: OffloadManager, within_s: float = 30.0) -> None:
+    """Step the engine until no store is pending (slowed copies on the copier's
+    thread can outlast a few steps), or ``within_s`` passes (then the caller's
+    check of what is held fails)."""
+    deadline = time.monotonic() + within_s
+    E.drain(llm, steps=2)
+    while manager.debug_state()["writing"] and time.monotonic() < deadline:
+        time.sleep(COPY_DELAY_S)
+        E.drain(llm, steps=1)
+
+
 def assert_served_and_identical(outputs: Outputs, reference: list[tuple[int, ...]],
                                 ids: Sequence[str]) -> None:
     assert sorted(outputs) == sorted(ids)
@@ -254,7 +265,7 @@ def test_abort_while_stores_are_in_flight(
     outputs = run_requests(llm, PROMPTS, abort_when=lambda: manager.debug_state()["writing"] > 0)
     assert sorted(outputs) == ["r1", "r3", "r5"]
     assert all(outputs[rid][0] == reference[int(rid[1:])] for rid in outputs)
-    E.drain(llm, steps=4)
+    stores_done(llm, manager)
     assert held(manager) == CLEAN
     # whatever the aborted requests had stored serves correct KV
     assert llm.reset_prefix_cache()
@@ -262,7 +273,7 @@ def test_abort_while_stores_are_in_flight(
         out = E.generate(llm, [prompt], MAX_TOKENS)[0]
         assert out.token_ids == reference[i], f"prompt {i} differs"
     assert manager.stats()["hits"] > 0
-    E.drain(llm)
+    stores_done(llm, manager)
     assert held(manager) == CLEAN
 
 
@@ -309,10 +320,11 @@ def test_connector_reset_while_stores_are_in_flight(
                            interrupt=reset)
     assert sorted(outputs) == [f"r{i}" for i in range(len(PROMPTS))]
     assert all(outputs[rid][0] == reference[int(rid[1:])] for rid in outputs)
-    E.drain(llm, steps=4)
+    stores_done(llm, manager)
     assert held(manager) == CLEAN
     assert llm.reset_prefix_cache()
     again = E.generate(llm, PROMPTS, MAX_TOKENS)  # stored again after the reset: served
     assert [g.token_ids for g in again] == reference
     assert [g.num_cached_tokens for g in again] == [SERVED] * len(PROMPTS)
+    stores_done(llm, manager)
     assert held(manager) == CLEAN
