@@ -47,12 +47,19 @@ class FileChangedError(KVTierError, OSError):
     """A file changed while it was being hashed."""
 
 
-def default_cache_dir() -> Path:
-    """``$KVTIER_CACHE_DIR``, else ``$XDG_CACHE_HOME/kvtier``, else ``~/.cache/kvtier``."""
+def default_cache_dir() -> Path | None:
+    """``$KVTIER_CACHE_DIR``, else ``$XDG_CACHE_HOME/kvtier``, else
+    ``~/.cache/kvtier``; None when there is no home directory to put it in (a
+    container user without one: digests are then computed at every start)."""
     explicit = os.environ.get("KVTIER_CACHE_DIR")
     if explicit:
         return Path(explicit)
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    base = os.environ.get("XDG_CACHE_HOME")
+    if not base:
+        try:
+            base = str(Path.home() / ".cache")
+        except RuntimeError:  # neither $HOME nor a passwd entry
+            return None
     return Path(base) / "kvtier"
 
 

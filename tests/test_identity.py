@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvtier.file_digests import CACHE_NAME, FileDigests
+from kvtier.file_digests import CACHE_NAME, FileDigests, default_cache_dir
 from kvtier.identity import (
     IdentityError,
     canonical_json,
@@ -241,3 +241,18 @@ def test_unshared_keys_reason_names_the_fast_hashes_without_a_seed() -> None:
     for algo in ("sha256", "sha256_cbor"):
         assert unshared_keys_reason(config(algo), {}) is None
     assert unshared_keys_reason(None, {}) is None  # no engine config: nothing to say
+
+
+def test_no_home_directory_means_no_remembered_digests(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # a container user with no passwd entry and no $HOME: fingerprint anyway
+    for name in ("KVTIER_CACHE_DIR", "XDG_CACHE_HOME", "HOME"):
+        monkeypatch.delenv(name, raising=False)
+
+    def no_home() -> Path:
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.setattr(Path, "home", staticmethod(no_home))
+    assert default_cache_dir() is None
+    checkpoint(tmp_path / "a")
+    assert weights_digest(tmp_path / "a").read == 1
