@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import random
+from collections.abc import Container, Sequence
 
 import pytest
 from helpers.policy_contract import OPS, exercise, plfu_invariants
@@ -254,3 +255,28 @@ def test_first_unseen_and_enter_main() -> None:
     assert [pol.segment(key) for key in keys] == ["main"] * 6
     assert len(pol.history) == history and pol.history[keys[5]] == 1
     assert pol.evict(1, set(keys[:4])) == [keys[5]]  # the tail goes first
+
+
+class _LoopOnly(PLFUPolicy):
+    """PLFU that applies every access key by key (no set operation for new blocks)."""
+
+    def on_access(self, keys: Sequence[bytes], reused: Container[bytes]) -> None:
+        self._apply_access(keys, len(keys))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_new_blocks_set_operation_applies_what_the_loop_would(seed: int) -> None:
+    # Requests of prefix chains, and shuffled ones whose known keys are not a
+    # prefix (so first_unseen's bisection can be wrong and the checks must catch it)
+    rng = random.Random(seed)
+    fast, loop = PLFUPolicy(24), _LoopOnly(24)
+    for _ in range(1500):
+        start, length = rng.randrange(60), rng.randrange(1, 12)
+        ids = list(range(start, start + length))
+        if rng.random() < 0.3:
+            rng.shuffle(ids)
+        keys = ks(ids)
+        room = rng.choice([None, 20])
+        assert _request(fast, keys, room) == _request(loop, keys, room)
+        assert _state(fast) == _state(loop)
+        assert fast._fresh == loop._fresh and fast._counts == loop._counts

@@ -258,7 +258,7 @@ class AdaptivePolicy(PLFUPolicy):
         first_new = self.first_unseen(keys) if self._fresh else len(keys)
         turn = self.turns.continues(keys, first_new, asked_from)
         self.turns.ended(keys)
-        super().on_access(keys, reused)
+        self._apply_access(keys, first_new)
         if turn:
             self.enter_main(keys[first_new:])
         if asked_from:  # the sampled keys a cache in front served, then the others

@@ -283,6 +283,22 @@ class PLFUPolicy(EvictionPolicy):
             recent[key] = None
 
     def on_access(self, keys: Sequence[bytes], reused: Container[bytes]) -> None:
+        self._apply_access(keys, self.first_unseen(keys) if self._fresh else len(keys))
+
+    def _apply_access(self, keys: Sequence[bytes], first_new: int) -> None:
+        """``on_access`` of ``keys`` (distinct, as the manager's access order is),
+        given ``first_new = first_unseen(keys)`` found before any of it was applied.
+
+        The request's own new blocks, the unseen suffix that it stored, are
+        most of the keys of most accesses (185,000 of 288,500 on the bundled
+        trace at 16,000 blocks); all their first use does is leave ``_fresh``,
+        so they are applied as one set operation, and the loop takes the rest.
+        """
+        if first_new < len(keys):
+            suffix = keys[first_new:]
+            if self._counts.keys().isdisjoint(suffix) and self._fresh.issuperset(suffix):
+                self._fresh.difference_update(suffix)  # the loop's first branch, at C speed
+                keys = keys[:first_new]
         counts, fresh, window, recent = self._counts, self._fresh, self._window, self._recent
         metas, classes, class_of = self._meta, self._classes, _CLASS_OF
         get, rmove, mget = counts.get, recent.move_to_end, metas.get
