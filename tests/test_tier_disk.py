@@ -9,6 +9,7 @@ import shutil
 import stat
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -233,6 +234,29 @@ def test_capacity_evicts_least_recently_used(tmp_path: Path) -> None:
     removed = [e for e in tier.take_events() if e.kind == "removed"]
     assert {k for e in removed for k in e.keys} == {keys[1], keys[2]}
     assert all(e.detail == "evicted" for e in removed)
+
+
+def test_lookups_and_stats_do_not_wait_for_a_writer_holding_the_lock(tmp_path: Path) -> None:
+    # A writer holds the tier's lock while it unlinks evicted files, which a
+    # slow disk makes long; contains() and stats() run on the scheduler's thread.
+    tier = make(tmp_path)
+    keys = [block_key(i) for i in range(3)]
+    tier.put([(k, payload(i)) for i, k in enumerate(keys[:2])])
+    answers: list[object] = []
+
+    def scheduler() -> None:
+        answers.append(tier.contains(keys))
+        answers.append(tier.stats()["blocks"])
+        answers.append(tier.debug_state()["index"])
+
+    with tier._lock:  # the writer, stuck in an unlink
+        thread = threading.Thread(target=scheduler, daemon=True)
+        thread.start()
+        thread.join(timeout=10)
+        done = not thread.is_alive()
+    thread.join(timeout=10)
+    assert done, "the lookup waited for the lock"
+    assert answers == [[True, True, False], 2, 2]
 
 
 def test_block_larger_than_capacity_is_dropped(tmp_path: Path) -> None:
