@@ -234,12 +234,15 @@ class IOPool:
 
     def shutdown(self, timeout_s: float) -> list[WriteJob]:
         """Stop taking jobs, let running and queued reads finish, join the
-        threads; return the queued writes that were never run."""
+        threads for at most ``timeout_s`` in all (threads stuck in a hung tier
+        are left behind: they are daemons); return the queued writes that were
+        never run."""
         with self._cond:
             self._stopping = True
             dropped = list(self._writes)
             self._writes.clear()
             self._cond.notify_all()
+        deadline = time.monotonic() + timeout_s
         for thread in self._threads:
-            thread.join(timeout_s)
+            thread.join(max(0.0, deadline - time.monotonic()))
         return dropped
