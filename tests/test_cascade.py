@@ -296,20 +296,28 @@ def test_failed_key_is_retried_after_its_ttl(tmp_path: Path, region: SlotRegion)
         c.shutdown()
 
 
-def test_promotion_timeout_reports_miss_then_frees_slot(
-    tmp_path: Path, region: SlotRegion
-) -> None:
+def cascade_with_a_hung_read(tmp_path: Path, region: SlotRegion,
+                             ids: list[int]) -> tuple[TierCascade, Gate]:
+    """A cascade (promotion timeout 50 ms) whose disk tier holds ``ids`` and
+    whose reads now hang: the promotion of ``ids[0]`` is running, stuck."""
     gate = Gate(disk(tmp_path))
     gate.opened.set()
     c = TierCascade(OffloadManager(SLOTS), region, [gate], promotion_timeout_s=0.05)
+    store(c, region, ids)
+    evict_all(c, region)
+    gate.opened.clear()
+    assert c.lookup_one(block_key(ids[0]), RequestContext("first")) is PENDING
+    c.on_schedule_end()  # submits the step's promotions
+    assert gate.entered.wait(5)
+    return c, gate
+
+
+def test_promotion_timeout_reports_miss_then_frees_slot(
+    tmp_path: Path, region: SlotRegion
+) -> None:
+    c, gate = cascade_with_a_hung_read(tmp_path, region, [0])
     try:
-        store(c, region, [0])
-        evict_all(c, region)
-        gate.opened.clear()
         k, ctx = block_key(0), RequestContext("r")
-        assert c.lookup_one(k, ctx) is PENDING
-        c.on_schedule_end()  # submits the step's promotions
-        assert gate.entered.wait(5)
         time.sleep(0.06)
         assert c.lookup_one(k, ctx) is MISS  # stuck I/O: a miss now, never a hang
         assert c.lookup_one(k, ctx) is MISS
@@ -517,3 +525,26 @@ def test_redis_round_trip_then_down(
     finally:
         c.shutdown()
 
+
+
+def test_a_tier_with_an_overdue_read_gets_no_new_promotions(
+    tmp_path: Path, region: SlotRegion
+) -> None:
+    c, gate = cascade_with_a_hung_read(tmp_path, region, [0, 1])
+    try:
+        ctx = RequestContext("r")
+        time.sleep(0.06)
+        c.on_schedule_end()  # the step that finds the read overdue
+        # block 1 is on the same tier: a miss now, and no second slot held for it
+        assert c.lookup_one(block_key(1), ctx) is MISS
+        assert c.manager.stats()["write_pending"] == 1
+        assert c.stats()["promotions_stalled"] == 1
+        assert c.debug_state()["running_promotions"] == 1
+        gate.opened.set()  # the tier comes back: promotions from it again
+        assert c.drain()
+        c.on_schedule_end()
+        assert settle(c, block_key(1), ctx) is HIT
+        assert c.debug_state()["running_promotions"] == 0
+    finally:
+        gate.opened.set()
+        c.shutdown()

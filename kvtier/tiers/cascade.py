@@ -26,7 +26,9 @@ set), so it is not retried in a loop; a promotion running past
 ``promotion_timeout_s`` reports MISS at once (``promotion_timeouts``) and keeps
 its slot until the thread returns: then the block is an ordinary CPU hit, or
 the slot is freed if the read failed (the bytes of a slot still being
-written are never handed out).
+written are never handed out). Meanwhile that tier gets no new promotions
+(:mod:`kvtier.tiers.stalls`; ``promotions_stalled`` counts the lookups that
+passed it by), so a tier that hangs holds only the slots it already had.
 
 **Writes** (:mod:`kvtier.tiers.cascade_writes`): each lower tier has a write
 policy (``"store"``: written through as blocks are stored or reach its
@@ -61,6 +63,7 @@ from kvtier.tiers.probes import (
     DEFAULT_PROBE_TTL_S,
     ExistenceProbes,
 )
+from kvtier.tiers.stalls import StalledTiers
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +80,7 @@ WRITE_POLICIES: tuple[WritePolicy, ...] = ("store", "evict")
 RegionSource = SlotSource | Callable[[], SlotSource | None]
 COUNTERS = (
     "promotions", "promotion_failures", "promotion_timeouts", "promotions_deferred",
+    "promotions_stalled",
     "probes", "probes_deferred", "cascade_writes", "duplicate_writes_skipped",
     "write_failures", "dropped_writes", "writes_not_admitted",
 )
@@ -172,6 +176,7 @@ class TierCascade:
                                      self.counters, max_tracker_size)
         self._batching: dict[tuple[int, ...], PromotionJob] = {}  # this step's promotions
         self._inflight: dict[bytes, PromotionJob] = {}
+        self._stalls = StalledTiers(self.promotion_timeout_s)
         self._probes_in_flight = 0
         # Seconds I/O threads spent in each tier's calls: "read" (promotions)
         # and "write" (writes with their presence check); one entry per tier.
@@ -226,6 +231,9 @@ class TierCascade:
         for i, low in enumerate(self.lower):
             if not low.tier.available:
                 continue
+            if self._stalls.stalled(low.tier):  # a read of it hangs: no more slots to it
+                self.counters["promotions_stalled"] += 1
+                continue
             if low.probes is not None:
                 found = low.probes.ask(key, now)
                 if found is None:
@@ -267,6 +275,7 @@ class TierCascade:
         """End of a scheduling step: apply finished jobs, then submit the
         step's promotions, remote existence checks and admitted writes."""
         self.poll()
+        self._stalls.check(time.monotonic())
         self._submit_promotions()
         self._submit_probes()
         self._writes.submit_due()
@@ -278,7 +287,9 @@ class TierCascade:
         batches, self._batching = self._batching, {}
         for job in batches.values():
             job.started = time.monotonic()
-            if not self._pool.submit(job):
+            if self._pool.submit(job):
+                self._stalls.started(job)
+            else:
                 self.counters["promotions_deferred"] += len(job.keys)
                 for key in job.keys:
                     self._inflight.pop(key, None)
@@ -312,6 +323,7 @@ class TierCascade:
             for name, seconds in job.busy.items():
                 busy[name] = busy.get(name, 0.0) + seconds
         if isinstance(job, PromotionJob):
+            self._stalls.ended(job)
             if job.abandoned:
                 self.manager.release_slots(job.slots)
             else:
@@ -459,7 +471,8 @@ class TierCascade:
         ``in_flight_promotions`` and ``batched_promotions`` <= the manager's
         ``num_blocks``; ``failed`` and ``sources`` <= ``max_failed``;
         ``evicted_jobs`` (this step's write-on-evict copies) <= ``max_queue``;
-        ``writes_in_flight`` and ``probe_jobs`` <= the I/O pool's jobs, which
+        ``writes_in_flight``, ``probe_jobs`` and ``running_promotions`` (jobs,
+        with those a reset abandoned until they end) <= the I/O pool's jobs, which
         are ``queued_reads`` / ``queued_writes`` <= ``max_queue`` each and
         ``done`` <= ``2 * (2 * max_queue + io_threads)``; ``probes.<tier>``: each
         remote tier's ``ExistenceProbes`` (``known`` <= ``max_probes``);
@@ -468,6 +481,7 @@ class TierCascade:
             **self._writes.sizes(),
             "batched_promotions": sum(len(job.keys) for job in self._batching.values()),
             "in_flight_promotions": len(self._inflight),
+            "running_promotions": len(self._stalls),
             "failed": len(self._outcomes.failed),
             "sources": len(self._outcomes.sources),
             "probe_jobs": self._probes_in_flight,
