@@ -20,6 +20,7 @@ from kvtier import block_key
 from kvtier.slots import SlotRegion
 from kvtier.tiers import DiskTier, KVLayout, TierConfigError
 from kvtier.tiers.disk_dir import ALLOC_UNIT, LAYOUT_DIR, MANIFEST_NAME
+from kvtier.tiers.disk_lookups import file_system_type, may_hang
 
 NS = KVLayout("test-model", "bfloat16", 16, 2, 2, 64).namespace()
 OTHER_NS = KVLayout("test-model", "float16", 16, 2, 2, 64).namespace()
@@ -426,14 +427,72 @@ def test_rebuild_is_fast_for_many_files(tmp_path: Path) -> None:
     assert elapsed < 5.0, f"rebuild of {n} files took {elapsed:.2f} s"
 
 
-def test_blocks_of_another_engine_are_found(tmp_path: Path) -> None:
-    a, b = make(tmp_path), make(tmp_path)
+@pytest.mark.parametrize("lookups", ["inline", "thread"])
+def test_blocks_of_another_engine_are_found(tmp_path: Path, lookups: str) -> None:
+    a, b = make(tmp_path), make(tmp_path, lookups=lookups)
     a.put([(block_key(1), payload(1))])
     assert b.contains([block_key(1)]) == [True]
     assert b.stats()["discovered"] == 1
     assert bytes(b.get([block_key(1)])[0]) == payload(1).tobytes()  # type: ignore[arg-type]
     a.put([(block_key(2), payload(2))])
     assert b.get([block_key(2)])[0] is not None  # found by get as well
+
+
+def test_a_hung_lookup_costs_its_timeout_once(tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    # A lost network mount: every stat under the directory blocks until released
+    # (a fault no real file system gives on demand).
+    a, b = make(tmp_path), make(tmp_path, lookups="thread", lookup_timeout_s=0.2)
+    a.put([(block_key(1), payload(1))])
+    release, real_stat = threading.Event(), os.stat
+
+    def stat_that_hangs(path: object, *args: object, **kwargs: object) -> os.stat_result:
+        if str(path).startswith(str(tmp_path)):
+            release.wait(30)
+        return real_stat(path, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "stat", stat_that_hangs)
+    answers: list[list[bool]] = []
+
+    def scheduler() -> None:
+        answers.append(b.contains([block_key(1), block_key(2)]))  # waits 0.2 s
+        answers.append(b.contains([block_key(1)]))  # the lookup still hangs: no wait
+
+    try:
+        thread = threading.Thread(target=scheduler, daemon=True)
+        thread.start()
+        thread.join(timeout=10)
+        assert not thread.is_alive(), "contains() waited for the hung stat"
+        assert answers == [[False, False], [False]]
+        assert b.stats()["lookup_timeouts"] == 2 and b.stats()["lookups"] == "thread"
+    finally:
+        release.set()
+    deadline = time.monotonic() + 10  # the file system answers again: found once more
+    while b.contains([block_key(1)]) != [True]:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert b.stats()["discovered"] == 1
+
+
+def test_lookups_go_to_a_thread_on_network_file_systems(tmp_path: Path) -> None:
+    mountinfo = tmp_path / "mountinfo"
+    mountinfo.write_text(
+        "22 1 8:1 / / rw,relatime shared:1 - ext4 /dev/sda1 rw\n"
+        "40 22 0:41 / /mnt/kv rw shared:9 - nfs4 srv:/export rw,vers=4.2\n"
+        "41 40 0:42 / /mnt/kv/local\\040disk rw - xfs /dev/sdb1 rw\n"
+        "42 22 0:43 / /mnt/fuse rw - fuse.sshfs host:/ rw\n")
+    types = {path: file_system_type(path, str(mountinfo)) for path in
+             ("/mnt/kv/cache", "/mnt/kvx", "/mnt/kv/local disk/x", "/mnt/fuse/a", "/")}
+    assert types == {"/mnt/kv/cache": "nfs4", "/mnt/kvx": "ext4",
+                     "/mnt/kv/local disk/x": "xfs", "/mnt/fuse/a": "fuse.sshfs", "/": "ext4"}
+    assert [may_hang(t) for t in types.values()] == [True, False, False, True, False]
+    assert file_system_type("/", str(tmp_path / "missing")) is None
+    here = make(tmp_path / "d")  # "auto": as the machine's own mount table says
+    expected = "thread" if may_hang(file_system_type(here.root)) else "inline"
+    assert here.stats()["lookups"] == expected
+    assert make(tmp_path / "e", lookups="thread").stats()["lookups"] == "thread"
+    with pytest.raises(TierConfigError, match="lookups must be one of"):
+        make(tmp_path / "f", lookups="sometimes")
 
 
 def test_rescan_bounds_the_union_of_engines(tmp_path: Path) -> None:

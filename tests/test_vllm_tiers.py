@@ -192,6 +192,7 @@ def test_tier_settings_are_validated() -> None:
 @pytest.mark.parametrize(("bad", "named"), [
     ({"disk_write_policy": "later"}, "disk_write_policy"),
     ({"disk_store_threshold": 0}, "disk_store_threshold"),
+    ({"disk_lookups": "never"}, "disk_lookups"),
     ({"redis_store_threshold": "2"}, "redis_store_threshold"),
     ({"redis_write_policy": "evict", "redis_url": None}, "redis_url"),
     ({"redis_ttl_s": 0}, "redis_ttl_s"),
@@ -212,8 +213,9 @@ def test_per_tier_settings_are_validated(bad: dict[str, Any], named: str) -> Non
             "redis_url": "redis://h:1/0"}
     good = KVTierSettings.from_extra_config(
         {**base, "disk_write_policy": "evict", "disk_store_threshold": 2,
-         "redis_store_threshold": 3, "redis_ttl_s": 3600})
+         "disk_lookups": "thread", "redis_store_threshold": 3, "redis_ttl_s": 3600})
     assert (good.disk_write_policy, good.disk_store_threshold) == ("evict", 2)
+    assert good.disk_lookups == "thread"
     assert (good.redis_write_policy, good.redis_store_threshold, good.redis_ttl_s) == (
         "store", 3, 3600)
     with pytest.raises(ConfigError, match=named):
@@ -277,10 +279,12 @@ def test_every_reported_metric_is_defined() -> None:
                                   "cascade_writes",
                                   "writes_not_admitted", "write_failures", "dropped_writes",
                                   "promotion_failures", "promotions_deferred",
+                                  "promotions_stalled",
                                   "duplicate_writes_skipped", "policy_switches",
                                   "policy_admission")}
     stats["policy_history_factor"] = 16
-    tiers = {"disk": {"hits": 2, "corrupt": 1, "read_ms": 7, "available": True},
+    tiers = {"disk": {"hits": 2, "corrupt": 1, "read_ms": 7, "lookup_timeouts": 4,
+                      "lookups": "thread", "available": True},
              "redis": {"errors": 3, "available": False}}
     reported: dict[str, int] = {}
     sizes = [3, 1]
@@ -297,6 +301,8 @@ def test_every_reported_metric_is_defined() -> None:
     assert values["vllm:kvtier_tier_available"][("redis",)] == 0
     assert values["vllm:kvtier_tier_corrupt"][("disk",)] == 1
     assert values["vllm:kvtier_tier_read_ms"][("disk",)] == 7
+    assert values["vllm:kvtier_tier_lookup_timeouts"][("disk",)] == 4
+    assert values["vllm:kvtier_promotions_stalled"][()] == 1
     assert values["vllm:kvtier_policy_history_factor"][()] == 16
     assert values["vllm:kvtier_policy_admission"][()] == 1
     assert values["vllm:kvtier_policy_switches"][()] == 1

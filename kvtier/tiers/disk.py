@@ -21,7 +21,9 @@ Sharing: several engines (processes) of the same user may use one directory.
 Files are only ever created by rename and removed by unlink, so readers never
 see partial data; a block one engine removed is a miss for the other.
 ``contains`` finds blocks written by others (one ``stat`` per key not in this
-process's index), reads refresh a file's mtime (shared recency), and every
+process's index; on a network or FUSE file system on a thread of its own, waited
+for at most ``lookup_timeout_s``, so a lost mount cannot stall the scheduler:
+:mod:`kvtier.tiers.disk_lookups`), reads refresh a file's mtime (shared recency), and every
 ``rescan_interval_s`` a store rescans the directory, so the bytes of all
 engines together stay within ``capacity_bytes`` plus what the others wrote
 since the last rescan; the free-space reserve holds at all times.
@@ -70,6 +72,7 @@ from kvtier.tiers.disk_dir import (
     unlink_quietly,
     write_full,
 )
+from kvtier.tiers.disk_lookups import DEFAULT_LOOKUP_TIMEOUT_S, DeadlineLookups, lookups_for
 from kvtier.tiers.namespace import check_namespace
 
 logger = logging.getLogger(__name__)
@@ -128,6 +131,11 @@ class DiskTier(Tier):
             quota-managed storage, and tests (a fake-full check).
         manifest: JSON-ready facts for ``MANIFEST_NAME`` (``kvtier disk
             inspect`` shows its ``model``); written when the namespace has none.
+        lookups: where ``contains`` looks for blocks other engines wrote
+            (``kvtier.tiers.disk_lookups``): ``"thread"``, waiting at most
+            ``lookup_timeout_s`` (a hung network file system costs that once,
+            then misses until it answers); ``"inline"``, on the caller's thread;
+            ``"auto"``: ``"thread"`` on a network or FUSE file system.
     """
 
     name = "disk"
@@ -148,6 +156,8 @@ class DiskTier(Tier):
         max_events: int = 10_000,
         free_space: Callable[[str], int] | None = None,
         manifest: Mapping[str, object] | None = None,
+        lookups: str = "auto",
+        lookup_timeout_s: float = DEFAULT_LOOKUP_TIMEOUT_S,
     ) -> None:
         try:
             self.namespace = check_namespace(namespace)
@@ -180,6 +190,11 @@ class DiskTier(Tier):
         self.dir = TierDirectory(path, self.namespace)
         self.path, self.root = self.dir.path, self.dir.root
         self.dir.make()
+        try:
+            self._lookups: DeadlineLookups[list[bool]] | None = lookups_for(
+                lookups, self.root, lookup_timeout_s)
+        except ValueError as exc:
+            raise TierConfigError(f"disk tier: {exc}") from None
         if manifest is not None:
             self.dir.write_manifest(manifest)
         if free_reserve_bytes is None:
@@ -343,15 +358,30 @@ class DiskTier(Tier):
         # be stale the moment the lock is released anyway (a read checks the file).
         index = self._index
         out = [k in index for k in keys]
-        for i, key in enumerate(keys):
-            if out[i] or len(key) > MAX_DISK_KEY_BYTES:
-                continue
+        unknown = [i for i, held in enumerate(out)
+                   if not held and len(keys[i]) <= MAX_DISK_KEY_BYTES]
+        if not unknown:
+            return out
+        asked = [keys[i] for i in unknown]
+        if self._lookups is None:
+            found: list[bool] | None = self._find_written_by_others(asked)
+        else:
+            found = self._lookups.run(lambda: self._find_written_by_others(asked))
+        for i, held in zip(unknown, found or (), strict=False):
+            out[i] = held
+        return out
+
+    def _find_written_by_others(self, keys: list[bytes]) -> list[bool]:
+        """Look for the files of ``keys`` (not in the index), indexing those found."""
+        out = []
+        for key in keys:
             try:
                 st = os.stat(self.dir.file(key), follow_symlinks=False)
             except OSError:
+                out.append(False)
                 continue
-            if stat.S_ISREG(st.st_mode):
-                out[i] = True
+            out.append(stat.S_ISREG(st.st_mode))
+            if out[-1]:
                 self._adopt(key, st.st_size)
         return out
 
@@ -613,6 +643,8 @@ class DiskTier(Tier):
         out["free_reserve_bytes"] = self.free_reserve_bytes
         out["rebuild_s"] = round(self.rebuild_s, 6)
         out["events_dropped"] = self._events.dropped
+        out["lookup_timeouts"] = self._lookups.timeouts if self._lookups is not None else 0
+        out["lookups"] = "thread" if self._lookups is not None else "inline"
         return out
 
     def take_events(self) -> list[TierEvent]:

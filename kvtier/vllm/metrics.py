@@ -50,6 +50,8 @@ PER_TIER_COUNTERS = {
     "corrupt": "Values that failed their checksum or header check and were removed.",
     "evictions": "Blocks this tier evicted itself (disk; Redis evicts server-side).",
     "errors": "I/O or server failures.",
+    "lookup_timeouts": "Disk lookups of blocks other engines wrote that got no answer "
+                       "within 0.1 s (disk_lookups=thread): misses.",
     "read_ms": "Milliseconds I/O threads spent reading this tier (promotions); "
                "divided by tier_hits + tier_misses: the read latency per block.",
     "write_ms": "Milliseconds I/O threads spent writing to this tier.",

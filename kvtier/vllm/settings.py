@@ -22,6 +22,7 @@ from kvtier.secrets import (
     redact_url,
 )
 from kvtier.tiers.cascade import DEFAULT_PROMOTION_TIMEOUT_S, WRITE_POLICIES
+from kvtier.tiers.disk_lookups import LOOKUP_MODES
 
 VLLM_KEYS = frozenset(
     {
@@ -71,6 +72,10 @@ class KVTierSettings:
     disk_store_threshold: int = 1
     """Requests that must use a block (hit it or offer it) before it is written
     to disk; 2 spares the SSD the one-off prompts."""
+    disk_lookups: str = "auto"
+    """Where the scheduler looks for blocks other engines wrote to ``disk_path``:
+    "thread" (waits at most 0.1 s; a hung network file system costs that once,
+    then misses), "inline", or "auto": "thread" on a network or FUSE file system."""
     redis_url: str | None = None
     """Redis/Valkey URL of the shared tier; None: no Redis tier."""
     redis_write_policy: str = "store"
@@ -181,12 +186,7 @@ class KVTierSettings:
             if "://" not in self.redis_url or scheme not in REDIS_URL_SCHEMES:
                 raise ConfigError(f"redis_url {redact_url(self.redis_url)!r}: the scheme "
                                   f"must be one of {list(REDIS_URL_SCHEMES)}")
-        if self.disk_path is not None and self.disk_bytes is None:
-            raise ConfigError("disk_bytes is required with disk_path: the disk tier's size")
-        if self.disk_bytes is not None:
-            if self.disk_path is None:
-                raise ConfigError("disk_bytes is set but disk_path is not")
-            _int_at_least("disk_bytes", self.disk_bytes, 1, "a byte count")
+        self._validate_disk()
         for tier in ("disk", "redis"):
             policy = getattr(self, f"{tier}_write_policy")
             if policy not in WRITE_POLICIES:
@@ -209,6 +209,17 @@ class KVTierSettings:
             policy_class(self.eviction_policy)
         except ValueError as exc:
             raise ConfigError(f"eviction_policy: {exc}") from None
+
+    def _validate_disk(self) -> None:
+        if self.disk_path is not None and self.disk_bytes is None:
+            raise ConfigError("disk_bytes is required with disk_path: the disk tier's size")
+        if self.disk_bytes is not None:
+            if self.disk_path is None:
+                raise ConfigError("disk_bytes is set but disk_path is not")
+            _int_at_least("disk_bytes", self.disk_bytes, 1, "a byte count")
+        if self.disk_lookups not in LOOKUP_MODES:
+            raise ConfigError(f"disk_lookups must be one of {list(LOOKUP_MODES)}, "
+                              f"got {self.disk_lookups!r}")
 
 
 def _shown(key: str, value: object) -> str:

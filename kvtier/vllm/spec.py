@@ -202,7 +202,7 @@ class KVTierSpec(OffloadingSpec):
         share = s.disk_bytes // max(1, self.config.parallel.world_size)
         return DiskTier(s.disk_path, self.namespace(rank), share, max_block_bytes=self.slot_bytes,
                         enable_events=self.kv_events_config.enable_kv_cache_events,
-                        manifest=self._manifest(rank))
+                        manifest=self._manifest(rank), lookups=s.disk_lookups)
 
     def _manifest(self, rank: int) -> dict[str, object]:
         """What a shared tier's namespace says about its engine, for operators
