@@ -472,6 +472,13 @@ def test_bad_config_is_explained() -> None:
         with pytest.raises(TierConfigError, match="decode_responses"):
             RedisTier(url, NS, client_options=options)
     RedisTier("redis://127.0.0.1:1/0?decode_responses=false", NS).close()
+    # the cluster client drops options it does not know: refused here instead
+    for url, options in [("redis+cluster://127.0.0.1:1", {"ssl_ca_cert": "/ca.pem"}),
+                         ("redis+cluster://127.0.0.1:1?socket_timeot=1", {})]:
+        with pytest.raises(TierConfigError, match=r"ssl_ca_cert'|socket_timeot"):
+            RedisTier(url, NS, client_options=options)
+    RedisTier("redis+cluster://127.0.0.1:1?socket_keepalive=true", NS,
+              client_options={"read_from_replicas": True, "ssl_ca_certs": "/ca.pem"}).close()
     upper = RedisTier("REDIS+CLUSTER://127.0.0.1:1", NS)  # a scheme is case-insensitive
     assert upper.cluster and upper._url == "REDIS://127.0.0.1:1"
     tier = RedisTier("redis://127.0.0.1:1", NS, max_block_bytes=10)

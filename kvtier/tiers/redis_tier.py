@@ -39,6 +39,7 @@ that failed verification, a refused password), secrets redacted.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import os
 import threading
@@ -176,6 +177,8 @@ class RedisTier(Tier):
         if _decodes_responses(self._url, self._options):
             raise TierConfigError("redis tier: decode_responses must stay off: blocks are "
                                   "bytes, and decoded replies could not be read back")
+        if self.cluster:
+            _check_cluster_options(self._url, self._options)
         self._secrets = _secret_values(self._url, self._options)
         self._last_failure = ""
         self._client_obj: Any = None
@@ -627,6 +630,24 @@ def _check_connection_options(client: Any) -> None:
     fails now, as a config error, not on every call."""
     pool = client.connection_pool
     pool.connection_class(**pool.connection_kwargs)
+
+
+def _check_cluster_options(url: str, options: Mapping[str, Any]) -> None:
+    """Refuse options (``client_options`` or the URL's query) that redis-py's
+    cluster client would drop without a word: it keeps only the connection
+    options it knows, so a misspelt ``ssl_ca_certs`` or timeout would leave
+    its default in force. (The plain client fails on them when it builds a
+    connection: ``_check_connection_options``.)"""
+    from redis.cluster import KWARGS_DISABLED_KEYS, REDIS_ALLOWED_KEYS, RedisCluster
+
+    cluster_own = set(inspect.signature(RedisCluster.__init__).parameters) - {"self", "kwargs"}
+    allowed = (set(REDIS_ALLOWED_KEYS) - set(KWARGS_DISABLED_KEYS)) | cluster_own
+    given = set(options) | {k for k, _ in parse_qsl(urlsplit(url).query)}
+    unknown = sorted(given - allowed)
+    if unknown:
+        raise TierConfigError(
+            f"redis tier: redis-py's cluster client would ignore the option(s) {unknown}; "
+            f"it takes {sorted(allowed)}")
 
 
 def _decodes_responses(url: str, options: Mapping[str, Any]) -> bool:
