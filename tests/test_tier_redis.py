@@ -133,6 +133,25 @@ def test_ttl_and_namespaces(server: RedisServer, raw: object) -> None:
     assert other.stats()["corrupt"] == 1
 
 
+def test_a_fresh_copy_stored_after_the_corrupt_read_is_kept(
+        server: RedisServer, raw: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    tier, other = make(server.url), make(server.url)
+    key = block_key(1)
+    tier.put([(key, payload(1))])
+    value = raw.get(rkey(key))  # type: ignore[attr-defined]
+    raw.setrange(rkey(key), len(value) - 5, bytes([value[-5] ^ 1]))  # type: ignore[attr-defined]
+    drop = tier._drop_corrupt
+
+    def another_engine_stores_first(corrupt: list) -> None:
+        other.put([(key, payload(1))])  # lands between this engine's GET and DEL
+        drop(corrupt)
+
+    monkeypatch.setattr(tier, "_drop_corrupt", another_engine_stores_first)
+    assert tier.get([key]) == [None] and tier.stats()["corrupt"] == 1
+    assert raw.get(rkey(key)) == value  # type: ignore[attr-defined]
+    assert bytes(other.get([key])[0]) == payload(1).tobytes()  # type: ignore[arg-type]
+
+
 def test_corrupted_value_is_a_miss_and_deleted(server: RedisServer, raw: object) -> None:
     tier = make(server.url)
     keys = [block_key(i) for i in range(3)]
@@ -419,6 +438,11 @@ def test_cluster_client(tmp_path: Path) -> None:
         spread = [redis.Redis(port=n.port).dbsize() for n in nodes]
         assert sum(spread) == 30 and min(spread) > 0  # keys spread over every shard
         assert tier.delete(keys[:3]) == 3 and tier.contains(keys[:4]) == [False] * 3 + [True]
+        for n in nodes:  # a corrupt value, on whichever node holds it, is deleted
+            node = redis.Redis(port=n.port)
+            for name in node.scan_iter(match=rkey(keys[3])):
+                node.setrange(name, 200, b"\xff\xfe")
+        assert tier.get(keys[3:5])[0] is None and tier.contains(keys[3:5]) == [False, True]
         tier.close()
     finally:
         for n in nodes:

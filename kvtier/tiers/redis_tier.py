@@ -2,8 +2,8 @@
 
 Each block is one string value, ``blockfile`` header + payload, stored under
 ``<key_prefix>:<namespace>:<block key bytes>``; reads check the header and the
-checksum, and a bad value is a miss, deleted, counted (``corrupt``) and
-reported (event). All batch calls are pipelined (one round trip per batch of up
+checksum, and a bad value is a miss, deleted (unless a fresh copy replaced
+it meanwhile), counted (``corrupt``) and reported (event). All batch calls are pipelined (one round trip per batch of up
 to ``max_batch_keys`` keys / ``max_batch_bytes`` bytes, which also bounds the
 memory a call holds).
 
@@ -353,7 +353,7 @@ class RedisTier(Tier):
                 self._counters.add("misses", len(chunk))
                 out.extend([(None, None)] * len(chunk))
                 continue
-            corrupt: list[tuple[bytes, str]] = []
+            corrupt: list[tuple[bytes, str, bytes]] = []
             hits = 0
             for i, (key, value) in enumerate(zip(chunk, values, strict=True)):
                 result = self._accept(key, value, dests[start + i], corrupt)
@@ -368,7 +368,7 @@ class RedisTier(Tier):
 
     def _accept(
         self, key: bytes, value: Any, dest: memoryview | None,
-        corrupt: list[tuple[bytes, str]],
+        corrupt: list[tuple[bytes, str, bytes]],
     ) -> tuple[int | None, memoryview | None]:
         if value is None:
             return None, None
@@ -385,20 +385,23 @@ class RedisTier(Tier):
             if n > dest.nbytes:
                 raise CorruptBlockError("payload larger than buffer", f"{n} > {dest.nbytes}")
         except CorruptBlockError as exc:
-            corrupt.append((key, exc.reason))
+            corrupt.append((key, exc.reason, value))
             return None, None
         dest[:n] = payload
         return n, dest[:n]
 
-    def _drop_corrupt(self, corrupt: list[tuple[bytes, str]]) -> None:
-        keys = [k for k, _ in corrupt]
+    def _drop_corrupt(self, corrupt: list[tuple[bytes, str, bytes]]) -> None:
+        """Delete each corrupt value unless the key holds another value by now (a
+        fresh copy another engine stored since this one read it)."""
+        keys = [k for k, _, _ in corrupt]
 
         def delete(client: Any) -> None:
-            self._pipelined(client, keys, lambda pipe, i: pipe.delete(self._rkey(keys[i])))
+            self._pipelined(client, keys, lambda pipe, i: pipe.eval(
+                _DELETE_IF_UNCHANGED, 1, self._rkey(keys[i]), corrupt[i][2]))
 
         self._run(delete)
         self._counters.add("corrupt", len(keys))
-        for key, reason in corrupt:
+        for key, reason, _ in corrupt:
             self._events.emit("corrupt", [key], reason)
             self._warn.warning("kvtier redis tier %s: removed corrupt value of key %s: %s",
                            self.safe_url, key.hex(), reason)
@@ -630,6 +633,12 @@ def _check_connection_options(client: Any) -> None:
     fails now, as a config error, not on every call."""
     pool = client.connection_pool
     pool.connection_class(**pool.connection_kwargs)
+
+
+_DELETE_IF_UNCHANGED = (
+    "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end "
+    "return 0")
+"""Deletes KEYS[1] only while it still holds ARGV[1] (the corrupt value read)."""
 
 
 def _check_cluster_options(url: str, options: Mapping[str, Any]) -> None:
