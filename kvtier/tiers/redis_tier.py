@@ -3,9 +3,9 @@
 Each block is one string value, ``blockfile`` header + payload, stored under
 ``<key_prefix>:<namespace>:<block key bytes>``; reads check the header and the
 checksum, and a bad value is a miss, deleted (unless a fresh copy replaced
-it meanwhile), counted (``corrupt``) and reported (event). All batch calls are pipelined (one round trip per batch of up
-to ``max_batch_keys`` keys / ``max_batch_bytes`` bytes, which also bounds the
-memory a call holds).
+it meanwhile), counted (``corrupt``) and reported (event). All batch calls are
+pipelined (one round trip per batch of up to ``max_batch_keys`` keys /
+``max_batch_bytes`` bytes, which also bounds the memory a call holds).
 
 URLs: ``redis://[[user]:password@]host:port/db``, ``rediss://`` (TLS; options
 such as ``?ssl_cert_reqs=required&ssl_ca_certs=/path/ca.pem`` in the query or in
