@@ -474,6 +474,33 @@ def test_a_hung_lookup_costs_its_timeout_once(tmp_path: Path,
     assert b.stats()["discovered"] == 1
 
 
+def test_lookups_from_two_threads_both_get_answers(tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    # The scheduler and an I/O thread (checking before a write) ask at once,
+    # while the file system is slow but answers within the timeout.
+    a, b = make(tmp_path), make(tmp_path, lookups="thread", lookup_timeout_s=2.0)
+    a.put([(block_key(i), payload(i)) for i in range(2)])
+    real_stat = os.stat
+
+    def slow_stat(path: object, *args: object, **kwargs: object) -> os.stat_result:
+        if str(path).startswith(str(tmp_path)):
+            time.sleep(0.1)
+        return real_stat(path, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "stat", slow_stat)
+    answers: dict[int, list[bool]] = {}
+
+    def ask(i: int) -> None:
+        answers[i] = b.contains([block_key(i)])
+
+    threads = [threading.Thread(target=ask, args=(i,), daemon=True) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=10)
+    assert answers == {0: [True], 1: [True]} and b.stats()["lookup_timeouts"] == 0
+
+
 def test_lookups_go_to_a_thread_on_network_file_systems(tmp_path: Path) -> None:
     mountinfo = tmp_path / "mountinfo"
     mountinfo.write_text(

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import os
 import threading
+import time
+from collections import deque
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
@@ -84,15 +86,19 @@ def lookups_for(mode: str, path: str | os.PathLike[str],
 
 
 class DeadlineLookups(Generic[T]):
-    """Runs one lookup at a time on its own daemon thread; the caller waits at
-    most ``timeout_s``.
+    """Runs lookups one after another on a daemon thread of its own; each caller
+    waits for its own at most ``timeout_s``.
 
-    Owns the thread (started on first use) and the one call in flight (at most
-    one: a caller that finds a call still running after its deadline gets no
-    answer at once instead of queueing another, so a lookup that hangs holds
-    one thread, no more). ``timeouts`` counts the calls answered with nothing,
-    overdue or refused.
+    Owns the thread (started on first use) and ``_queue``, the calls waiting,
+    at most ``MAX_QUEUED``, each with the time its caller stops waiting (the
+    thread skips those). Callers may be several threads (the scheduler's, and
+    the I/O threads checking before a write). While the call running has run
+    past ``timeout_s`` (a lookup that hangs), new calls are refused at once:
+    a hung file system holds one thread and costs each caller nothing.
+    ``timeouts`` counts the calls answered with nothing, late or refused.
     """
+
+    MAX_QUEUED = 64
 
     def __init__(self, timeout_s: float) -> None:
         if not is_positive_seconds(timeout_s):
@@ -101,42 +107,57 @@ class DeadlineLookups(Generic[T]):
         self.timeout_s = float(timeout_s)
         self.timeouts = 0
         self._cond = threading.Condition()
-        self._call: Callable[[], T] | None = None
-        self._answer: list[T | None] = []  # the call in flight's, empty until it returns
-        self._busy = False  # a call is queued or running
+        self._queue: deque[_Call[T]] = deque()
+        self._running_since: float | None = None  # when the call running started
         self._thread: threading.Thread | None = None
 
     def run(self, call: Callable[[], T]) -> T | None:
-        """``call()``'s result, or None when it raised, did not return within
-        the deadline, or a previous call is still running."""
+        """``call()``'s result, or None when it raised, was not answered within
+        ``timeout_s``, or was refused (a lookup hangs, or too many wait)."""
         with self._cond:
-            if self._busy:
+            now = time.monotonic()
+            running = self._running_since
+            if ((running is not None and now - running > self.timeout_s)
+                    or len(self._queue) >= self.MAX_QUEUED):
                 self.timeouts += 1
                 return None
             if self._thread is None:
                 self._thread = threading.Thread(target=self._serve, daemon=True,
                                                 name="kvtier-disk-lookups")
                 self._thread.start()
-            answer: list[T | None] = []
-            self._call, self._answer, self._busy = call, answer, True
+            item = _Call(call, now + self.timeout_s)
+            self._queue.append(item)
             self._cond.notify_all()
-            if not self._cond.wait_for(lambda: bool(answer), self.timeout_s):
+            if not self._cond.wait_for(lambda: item.done, self.timeout_s):
                 self.timeouts += 1
                 return None
-            return answer[0]
+            return item.result
 
     def _serve(self) -> None:
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._call is not None)
-                call, answer, self._call = self._call, self._answer, None
-            result: T | None = None
-            if call is not None:
-                try:
-                    result = call()
-                except Exception:  # a lookup that fails finds nothing
-                    result = None
+                self._cond.wait_for(lambda: bool(self._queue))
+                item = self._queue.popleft()
+                if time.monotonic() > item.deadline:
+                    continue  # its caller has given up
+                self._running_since = time.monotonic()
+            try:
+                item.result = item.call()
+            except Exception:  # a lookup that fails finds nothing
+                item.result = None
             with self._cond:
-                answer.append(result)
-                self._busy = False
+                item.done = True
+                self._running_since = None
                 self._cond.notify_all()
+
+
+class _Call(Generic[T]):
+    """One queued lookup and, once run, its result."""
+
+    __slots__ = ("call", "deadline", "done", "result")
+
+    def __init__(self, call: Callable[[], T], deadline: float) -> None:
+        self.call = call
+        self.deadline = deadline
+        self.done = False
+        self.result: T | None = None
