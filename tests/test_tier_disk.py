@@ -501,6 +501,20 @@ def test_lookups_from_two_threads_both_get_answers(tmp_path: Path,
     assert answers == {0: [True], 1: [True]} and b.stats()["lookup_timeouts"] == 0
 
 
+def test_closing_the_tier_ends_its_lookup_thread(tmp_path: Path) -> None:
+    def lookup_threads() -> int:
+        return sum(t.name == "kvtier-disk-lookups" for t in threading.enumerate())
+
+    before = lookup_threads()
+    tier = make(tmp_path, lookups="thread")
+    assert tier.contains([block_key(1)]) == [False] and lookup_threads() == before + 1
+    tier.close()
+    deadline = time.monotonic() + 10
+    while lookup_threads() > before:
+        assert time.monotonic() < deadline, "the lookup thread outlived its tier"
+        time.sleep(0.01)
+
+
 def test_lookups_go_to_a_thread_on_network_file_systems(tmp_path: Path) -> None:
     mountinfo = tmp_path / "mountinfo"
     mountinfo.write_text(

@@ -667,6 +667,8 @@ class DiskTier(Tier):
     def close(self) -> None:
         """Stop serving; the files stay for the next engine (warm restart)."""
         self._closed = True
+        if self._lookups is not None:
+            self._lookups.close()
 
     def __repr__(self) -> str:
         return (

@@ -110,6 +110,7 @@ class DeadlineLookups(Generic[T]):
         self._queue: deque[_Call[T]] = deque()
         self._running_since: float | None = None  # when the call running started
         self._thread: threading.Thread | None = None
+        self._closed = False
 
     def run(self, call: Callable[[], T]) -> T | None:
         """``call()``'s result, or None when it raised, was not answered within
@@ -118,7 +119,7 @@ class DeadlineLookups(Generic[T]):
             now = time.monotonic()
             running = self._running_since
             if ((running is not None and now - running > self.timeout_s)
-                    or len(self._queue) >= self.MAX_QUEUED):
+                    or len(self._queue) >= self.MAX_QUEUED or self._closed):
                 self.timeouts += 1
                 return None
             if self._thread is None:
@@ -136,7 +137,9 @@ class DeadlineLookups(Generic[T]):
     def _serve(self) -> None:
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: bool(self._queue))
+                self._cond.wait_for(lambda: bool(self._queue) or self._closed)
+                if self._closed:
+                    return
                 item = self._queue.popleft()
                 if time.monotonic() > item.deadline:
                     continue  # its caller has given up
@@ -149,6 +152,13 @@ class DeadlineLookups(Generic[T]):
                 item.done = True
                 self._running_since = None
                 self._cond.notify_all()
+
+    def close(self) -> None:
+        """Refuse new lookups; the thread ends once the one running (if any) returns."""
+        with self._cond:
+            self._closed = True
+            self._queue.clear()
+            self._cond.notify_all()
 
 
 class _Call(Generic[T]):
