@@ -50,7 +50,13 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 import redis
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import MaxConnectionsError, RedisClusterException, RedisError, ResponseError
+from redis.exceptions import (
+    MaxConnectionsError,
+    NoPermissionError,
+    RedisClusterException,
+    RedisError,
+    ResponseError,
+)
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
@@ -190,6 +196,7 @@ class RedisTier(Tier):
             failure_threshold, reset_timeout_s, max_reset_timeout_s, on_change=self._on_breaker
         )
         self._closed = False
+        self._scripts_allowed = True  # until the server refuses EVAL (an ACL user)
         if not self.cluster:
             self._client()  # parses the URL now (no connection yet): bad URLs fail here
 
@@ -392,12 +399,19 @@ class RedisTier(Tier):
 
     def _drop_corrupt(self, corrupt: list[tuple[bytes, str, bytes]]) -> None:
         """Delete each corrupt value unless the key holds another value by now (a
-        fresh copy another engine stored since this one read it)."""
+        fresh copy another engine stored since this one read it). A user the
+        server does not let run scripts (an ACL with only kvtier's plain
+        commands) deletes unconditionally."""
         keys = [k for k, _, _ in corrupt]
 
         def delete(client: Any) -> None:
-            self._pipelined(client, keys, lambda pipe, i: pipe.eval(
-                _DELETE_IF_UNCHANGED, 1, self._rkey(keys[i]), corrupt[i][2]))
+            if self._scripts_allowed:
+                replies = self._pipelined(client, keys, lambda pipe, i: pipe.eval(
+                    _DELETE_IF_UNCHANGED, 1, self._rkey(keys[i]), corrupt[i][2]))
+                if not any(_refused_script(r) for r in replies):
+                    return
+                self._scripts_allowed = False
+            self._pipelined(client, keys, lambda pipe, i: pipe.delete(self._rkey(keys[i])))
 
         self._run(delete)
         self._counters.add("corrupt", len(keys))
@@ -639,6 +653,13 @@ _DELETE_IF_UNCHANGED = (
     "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end "
     "return 0")
 """Deletes KEYS[1] only while it still holds ARGV[1] (the corrupt value read)."""
+
+
+def _refused_script(reply: object) -> bool:
+    """Whether ``reply`` is the server refusing to run a script for this user."""
+    if isinstance(reply, NoPermissionError):  # the server's NOPERM reply
+        return True
+    return isinstance(reply, ResponseError) and "unknown command" in str(reply).lower()
 
 
 def _check_cluster_options(url: str, options: Mapping[str, Any]) -> None:
