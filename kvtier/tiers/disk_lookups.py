@@ -8,8 +8,9 @@ returns, and with it the engine's scheduler. :class:`DeadlineLookups` runs
 those lookups on a thread of its own and waits for them at most a deadline;
 while one is overdue, later lookups do not wait at all (their keys are
 misses). :func:`lookups_for` picks the mode: on a network or FUSE file system
-the thread, elsewhere the caller's thread, whose ``stat`` costs a fifth of a
-hand-over to another thread.
+the thread, elsewhere the caller's thread, where a ``stat`` costs a fraction of a
+hand-over to another thread (``benchmarks/bench_disk_lookups.py``: 6-7 against
+32-77 µs).
 """
 
 from __future__ import annotations
