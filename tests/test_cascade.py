@@ -3,6 +3,7 @@ and a real redis-server (no mocks of the tiers; a gate wrapper only delays calls
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -330,6 +331,33 @@ def test_promotion_timeout_reports_miss_then_frees_slot(
         assert (s["promotion_timeouts"], s["promotion_failures"], s["promotions"]) == (1, 0, 1)
     finally:
         gate.opened.set()
+        c.shutdown()
+
+
+def test_the_stalled_tier_is_the_one_a_read_hangs_in(tmp_path: Path, region: SlotRegion) -> None:
+    # A promotion tries the disk tiers in order; the first has a stale entry for
+    # block 0 (its file is gone), so the read falls through to the second, which hangs.
+    first = DiskTier(tmp_path / "a", NS, 64 << 20, free_reserve_bytes=0)
+    second = Gate(DiskTier(tmp_path / "b", NS, 64 << 20, free_reserve_bytes=0))
+    second.opened.set()
+    c = TierCascade(OffloadManager(SLOTS), region, [first, second], promotion_timeout_s=0.05)
+    try:
+        store(c, region, [0, 50])
+        evict_all(c, region)
+        second.inner.put([(block_key(1), payload(1))])  # block 1: on the second tier only
+        os.unlink(first.dir.file(block_key(0)))
+        second.opened.clear()
+        ctx = RequestContext("r")
+        assert c.lookup_one(block_key(0), ctx) is PENDING
+        c.on_schedule_end()
+        assert second.entered.wait(5)
+        time.sleep(0.06)
+        c.on_schedule_end()
+        assert c.lookup_one(block_key(50), ctx) is PENDING  # the first tier still serves
+        assert c.lookup_one(block_key(1), ctx) is MISS  # the hung one gets nothing new
+        assert c.stats()["promotions_stalled"] == 1
+    finally:
+        second.opened.set()
         c.shutdown()
 
 

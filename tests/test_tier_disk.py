@@ -501,6 +501,30 @@ def test_lookups_from_two_threads_both_get_answers(tmp_path: Path,
     assert answers == {0: [True], 1: [True]} and b.stats()["lookup_timeouts"] == 0
 
 
+def test_checks_before_writes_do_not_queue_before_the_schedulers_lookups(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A slow (not hung) shared file system: an I/O thread checks a batch of new
+    # blocks before writing them (2 s of stat calls) while the scheduler asks once.
+    a, b = make(tmp_path), make(tmp_path, lookups="thread", lookup_timeout_s=0.5)
+    a.put([(block_key(1), payload(1))])
+    real_stat, checking = os.stat, threading.Event()
+
+    def slow_stat(path: object, *args: object, **kwargs: object) -> os.stat_result:
+        if str(path).startswith(str(tmp_path)):
+            checking.set()
+            time.sleep(0.05)
+        return real_stat(path, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "stat", slow_stat)
+    batch = [block_key(i) for i in range(100, 140)]
+    writer = threading.Thread(target=b.contains_waiting, args=(batch,), daemon=True)
+    writer.start()
+    assert checking.wait(5)
+    assert b.contains([block_key(1)]) == [True]  # not refused behind the batch
+    assert b.stats()["lookup_timeouts"] == 0
+    writer.join(timeout=10)
+
+
 def test_closing_the_tier_ends_its_lookup_thread(tmp_path: Path) -> None:
     def lookup_threads() -> int:
         return sum(t.name == "kvtier-disk-lookups" for t in threading.enumerate())
@@ -521,12 +545,16 @@ def test_lookups_go_to_a_thread_on_network_file_systems(tmp_path: Path) -> None:
         "22 1 8:1 / / rw,relatime shared:1 - ext4 /dev/sda1 rw\n"
         "40 22 0:41 / /mnt/kv rw shared:9 - nfs4 srv:/export rw,vers=4.2\n"
         "41 40 0:42 / /mnt/kv/local\\040disk rw - xfs /dev/sdb1 rw\n"
-        "42 22 0:43 / /mnt/fuse rw - fuse.sshfs host:/ rw\n")
+        "42 22 0:43 / /mnt/fuse rw - fuse.sshfs host:/ rw\n"
+        "43 22 0:44 / /mnt/auto rw - autofs systemd-1 rw\n"  # NFS mounted on demand
+        "44 43 0:45 / /mnt/auto rw - nfs4 srv:/auto rw\n")
     types = {path: file_system_type(path, str(mountinfo)) for path in
-             ("/mnt/kv/cache", "/mnt/kvx", "/mnt/kv/local disk/x", "/mnt/fuse/a", "/")}
+             ("/mnt/kv/cache", "/mnt/kvx", "/mnt/kv/local disk/x", "/mnt/fuse/a", "/",
+              "/mnt/auto/kv")}
     assert types == {"/mnt/kv/cache": "nfs4", "/mnt/kvx": "ext4",
-                     "/mnt/kv/local disk/x": "xfs", "/mnt/fuse/a": "fuse.sshfs", "/": "ext4"}
-    assert [may_hang(t) for t in types.values()] == [True, False, False, True, False]
+                     "/mnt/kv/local disk/x": "xfs", "/mnt/fuse/a": "fuse.sshfs", "/": "ext4",
+                     "/mnt/auto/kv": "nfs4"}
+    assert [may_hang(t) for t in types.values()] == [True, False, False, True, False, True]
     assert file_system_type("/", str(tmp_path / "missing")) is None
     here = make(tmp_path / "d")  # "auto": as the machine's own mount table says
     expected = "thread" if may_hang(file_system_type(here.root)) else "inline"

@@ -498,8 +498,10 @@ def test_bad_config_is_explained() -> None:
     RedisTier("redis://127.0.0.1:1/0?decode_responses=false", NS).close()
     # the cluster client drops options it does not know: refused here instead
     for url, options in [("redis+cluster://127.0.0.1:1", {"ssl_ca_cert": "/ca.pem"}),
-                         ("redis+cluster://127.0.0.1:1?socket_timeot=1", {})]:
-        with pytest.raises(TierConfigError, match=r"ssl_ca_cert'|socket_timeot"):
+                         ("redis+cluster://127.0.0.1:1?socket_timeot=1", {}),
+                         ("redis+cluster://127.0.0.1:1?read_from_replicas=true", {})]:
+        with pytest.raises(TierConfigError,
+                           match=r"ssl_ca_cert'|socket_timeot|read_from_replicas"):
             RedisTier(url, NS, client_options=options)
     RedisTier("redis+cluster://127.0.0.1:1?socket_keepalive=true", NS,
               client_options={"read_from_replicas": True, "ssl_ca_certs": "/ca.pem"}).close()

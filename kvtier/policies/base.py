@@ -20,7 +20,7 @@ class EvictionPolicy(ABC):
       reads it in ``evict``; a block keeps its logical rank while blocked;
     * ``on_access(keys, reused)``: one finished request's access, head first
       (``keys[0]`` is the most valuable block): every key it loaded or offered,
-      held or not (a block may have been evicted while its request ran, or
+      each once, held or not (a block may have been evicted while its request ran, or
       declined by ``admit``); ``reused`` are the keys the request found ready
       in the cache (not inserted by itself);
     * ``on_demand_access(keys, reused, asked_from)`` instead (only when

@@ -196,6 +196,12 @@ class Tier(ABC):
     @abstractmethod
     def contains(self, keys: Sequence[bytes]) -> list[bool]: ...
 
+    def contains_waiting(self, keys: Sequence[bytes]) -> list[bool]:
+        """``contains`` for a thread that may wait on the storage as long as it
+        takes (the I/O threads' check before a write), where ``contains`` may
+        give up at a deadline kept for the scheduler's thread; here the same."""
+        return self.contains(keys)
+
     @abstractmethod
     def get_into(self, keys: Sequence[bytes], buffers: Sequence[BytesLike]) -> list[int | None]: ...
 

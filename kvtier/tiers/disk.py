@@ -349,7 +349,16 @@ class DiskTier(Tier):
     # ------------------------------------------------------------------ reads
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
         """Whether each key is stored; keys not in this process's index cost one
-        ``stat`` (blocks stored by other engines sharing the directory)."""
+        ``stat`` (blocks stored by other engines sharing the directory), through
+        the lookup thread when there is one (``lookups``)."""
+        return self._contains(keys, waiting=False)
+
+    def contains_waiting(self, keys: Sequence[bytes]) -> list[bool]:
+        """``contains`` with the ``stat`` calls on the calling thread (an I/O
+        thread), so that they never queue before the scheduler's lookups."""
+        return self._contains(keys, waiting=True)
+
+    def _contains(self, keys: Sequence[bytes], waiting: bool) -> list[bool]:
         self._check_open()
         keys = check_batch(keys)
         # Read without the lock, which a writer holds while it unlinks evicted
@@ -363,7 +372,7 @@ class DiskTier(Tier):
         if not unknown:
             return out
         asked = [keys[i] for i in unknown]
-        if self._lookups is None:
+        if waiting or self._lookups is None:
             found: list[bool] | None = self._find_written_by_others(asked)
         else:
             found = self._lookups.run(lambda: self._find_written_by_others(asked))

@@ -41,7 +41,9 @@ MOUNTINFO = "/proc/self/mountinfo"
 
 def file_system_type(path: str | os.PathLike[str], mountinfo: str = MOUNTINFO) -> str | None:
     """The type of the file system ``path`` is on (the longest mount point that
-    contains it), or None where the mount table cannot be read."""
+    contains it; of several mounts on that point, the last, which is on top: an
+    autofs trigger with NFS mounted over it), or None where the mount table
+    cannot be read."""
     try:
         with open(mountinfo, encoding="utf-8", errors="replace") as f:
             lines = f.read().splitlines()
@@ -56,7 +58,7 @@ def file_system_type(path: str | os.PathLike[str], mountinfo: str = MOUNTINFO) -
             continue
         point = _unescape(fields[4])
         inside = real == point or real.startswith(point.rstrip("/") + "/")
-        if inside and len(point) > best:
+        if inside and len(point) >= best:  # the later of two on one point is on top
             best, best_type = len(point), right.split()[0]
     return best_type
 

@@ -41,7 +41,9 @@ class PromotionJob:
     ``busy``: seconds spent in each tier's reads, by tier name; ``overdue``:
     set once the job has run past the cascade's ``promotion_timeout_s``;
     ``abandoned``: set by a reset that could not wait for it (its slots are
-    held back until it is applied, and its result is dropped)."""
+    held back until it is applied, and its result is dropped); ``reading``:
+    (tier, monotonic start) of the read running now, set by the I/O thread
+    (one assignment, so a reader on another thread sees a whole pair)."""
 
     keys: list[bytes]
     slots: list[int]
@@ -52,6 +54,7 @@ class PromotionJob:
     busy: dict[str, float] = field(default_factory=dict)
     overdue: bool = False
     abandoned: bool = False
+    reading: tuple[Tier, float] | None = None
 
     def run(self, region: SlotSource | None) -> None:
         self.ok = [False] * len(self.keys)
@@ -66,12 +69,14 @@ class PromotionJob:
             if not tier.available:
                 continue
             t0 = time.perf_counter()
+            self.reading = (tier, time.monotonic())
             try:
                 sizes = tier.get_into([self.keys[i] for i in todo], [buffers[i] for i in todo])
             except Exception as exc:
                 _warn.warning("kvtier cascade: %s read failed: %s", tier.name, exc)
                 continue
             finally:
+                self.reading = None
                 self.busy[tier.name] = self.busy.get(tier.name, 0.0) + time.perf_counter() - t0
             for i, n in zip(todo, sizes, strict=True):
                 if n == buffers[i].nbytes:
@@ -131,7 +136,7 @@ class WriteJob:
                 continue
             t0 = time.perf_counter()
             try:
-                held = tier.contains(self.keys)
+                held = tier.contains_waiting(self.keys)
                 items = [(k, b) for k, b, h in zip(self.keys, sources, held, strict=True) if not h]
                 self.skipped += len(self.keys) - len(items)
                 if items:

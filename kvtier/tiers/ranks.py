@@ -15,7 +15,7 @@ the scheduler, the block is the set of those shards:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -99,9 +99,18 @@ class RankedTier(Tier):
         return out
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        return self._held_by_all([tier.contains for tier in self.ranks], keys)
+
+    def contains_waiting(self, keys: Sequence[bytes]) -> list[bool]:
+        return self._held_by_all([tier.contains_waiting for tier in self.ranks], keys)
+
+    @staticmethod
+    def _held_by_all(asks: list[Callable[[Sequence[bytes]], list[bool]]],
+                     keys: Sequence[bytes]) -> list[bool]:
+        """Whether every rank holds each key (each rank asked in turn)."""
         held = [True] * len(keys)
-        for tier in self.ranks:
-            for i, h in enumerate(tier.contains(keys)):
+        for ask in asks:
+            for i, h in enumerate(ask(keys)):
                 held[i] = held[i] and h
         return held
 

@@ -405,13 +405,17 @@ class RedisTier(Tier):
         keys = [k for k, _, _ in corrupt]
 
         def delete(client: Any) -> None:
+            left = keys
             if self._scripts_allowed:
                 replies = self._pipelined(client, keys, lambda pipe, i: pipe.eval(
                     _DELETE_IF_UNCHANGED, 1, self._rkey(keys[i]), corrupt[i][2]))
-                if not any(_refused_script(r) for r in replies):
-                    return
-                self._scripts_allowed = False
-            self._pipelined(client, keys, lambda pipe, i: pipe.delete(self._rkey(keys[i])))
+                if any(_refused_script(r) for r in replies):
+                    self._scripts_allowed = False
+                # DEL where the script did not run (refused, or failed)
+                left = [k for k, r in zip(keys, replies, strict=True)
+                        if isinstance(r, BaseException)]
+            if left:
+                self._pipelined(client, left, lambda pipe, i: pipe.delete(self._rkey(left[i])))
 
         self._run(delete)
         self._counters.add("corrupt", len(keys))
@@ -671,9 +675,12 @@ def _check_cluster_options(url: str, options: Mapping[str, Any]) -> None:
     from redis.cluster import KWARGS_DISABLED_KEYS, REDIS_ALLOWED_KEYS, RedisCluster
 
     cluster_own = set(inspect.signature(RedisCluster.__init__).parameters) - {"self", "kwargs"}
-    allowed = (set(REDIS_ALLOWED_KEYS) - set(KWARGS_DISABLED_KEYS)) | cluster_own
-    given = set(options) | {k for k, _ in parse_qsl(urlsplit(url).query)}
-    unknown = sorted(given - allowed)
+    per_connection = set(REDIS_ALLOWED_KEYS) - set(KWARGS_DISABLED_KEYS)
+    # the URL's query reaches only the connections (the cluster's own settings
+    # in it, such as read_from_replicas, are dropped as well)
+    queried = {k for k, _ in parse_qsl(urlsplit(url).query)}
+    unknown = sorted((set(options) - per_connection - cluster_own) | (queried - per_connection))
+    allowed = per_connection | cluster_own
     if unknown:
         raise TierConfigError(
             f"redis tier: redis-py's cluster client would ignore the option(s) {unknown}; "
