@@ -290,8 +290,8 @@ class PLFUPolicy(EvictionPolicy):
         given ``first_new = first_unseen(keys)`` found before any of it was applied.
 
         The request's own new blocks, the unseen suffix that it stored, are
-        most of the keys of most accesses (185,000 of 288,500 on the bundled
-        trace at 16,000 blocks); all their first use does is leave ``_fresh``,
+        most of the keys of most accesses (on the bundled trace at 16,000
+        blocks); all their first use does is leave ``_fresh``,
         so they are applied as one set operation, and the loop takes the rest.
         """
         if first_new < len(keys):

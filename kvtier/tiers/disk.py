@@ -191,7 +191,7 @@ class DiskTier(Tier):
         self.path, self.root = self.dir.path, self.dir.root
         self.dir.make()
         try:
-            self._lookups: DeadlineLookups[list[bool]] | None = lookups_for(
+            self._lookups: DeadlineLookups | None = lookups_for(
                 lookups, self.root, lookup_timeout_s)
         except ValueError as exc:
             raise TierConfigError(f"disk tier: {exc}") from None
@@ -362,7 +362,7 @@ class DiskTier(Tier):
         self._check_open()
         keys = check_batch(keys)
         # Read without the lock, which a writer holds while it unlinks evicted
-        # files (a rescan that evicted 8,000 held it 160 ms): this runs on the
+        # files (for long, when a rescan evicts thousands): this runs on the
         # scheduler's thread. Each membership test is atomic, and an answer can
         # be stale the moment the lock is released anyway (a read checks the file).
         index = self._index

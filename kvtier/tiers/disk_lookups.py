@@ -20,11 +20,8 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Generic, TypeVar
 
 from kvtier.argtypes import is_positive_seconds
-
-T = TypeVar("T")
 
 LOOKUP_MODES = ("auto", "inline", "thread")
 """``auto``: ``thread`` on a network or FUSE file system, else ``inline``."""
@@ -78,7 +75,7 @@ def may_hang(fs_type: str | None) -> bool:
 
 
 def lookups_for(mode: str, path: str | os.PathLike[str],
-                timeout_s: float) -> DeadlineLookups[list[bool]] | None:
+                timeout_s: float) -> DeadlineLookups | None:
     """The lookup runner for ``mode`` (``LOOKUP_MODES``) at ``path``: None means
     inline (the caller's thread)."""
     if mode not in LOOKUP_MODES:
@@ -88,7 +85,7 @@ def lookups_for(mode: str, path: str | os.PathLike[str],
     return DeadlineLookups(timeout_s)
 
 
-class DeadlineLookups(Generic[T]):
+class DeadlineLookups:
     """Runs lookups one after another on a daemon thread of its own; each caller
     waits for its own at most ``timeout_s``.
 
@@ -110,12 +107,12 @@ class DeadlineLookups(Generic[T]):
         self.timeout_s = float(timeout_s)
         self.timeouts = 0
         self._cond = threading.Condition()
-        self._queue: deque[_Call[T]] = deque()
+        self._queue: deque[_Call] = deque()
         self._running_since: float | None = None  # when the call running started
         self._thread: threading.Thread | None = None
         self._closed = False
 
-    def run(self, call: Callable[[], T]) -> T | None:
+    def run(self, call: Callable[[], list[bool]]) -> list[bool] | None:
         """``call()``'s result, or None when it raised, was not answered within
         ``timeout_s``, or was refused (a lookup hangs, or too many wait)."""
         with self._cond:
@@ -164,13 +161,13 @@ class DeadlineLookups(Generic[T]):
             self._cond.notify_all()
 
 
-class _Call(Generic[T]):
+class _Call:
     """One queued lookup and, once run, its result."""
 
     __slots__ = ("call", "deadline", "done", "result")
 
-    def __init__(self, call: Callable[[], T], deadline: float) -> None:
+    def __init__(self, call: Callable[[], list[bool]], deadline: float) -> None:
         self.call = call
         self.deadline = deadline
         self.done = False
-        self.result: T | None = None
+        self.result: list[bool] | None = None

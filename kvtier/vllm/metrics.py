@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvtier.tiers.disk_lookups import DEFAULT_LOOKUP_TIMEOUT_S
+
 METRIC_PREFIX = "vllm:kvtier_"
 
 COUNTERS = {
@@ -51,7 +53,7 @@ PER_TIER_COUNTERS = {
     "evictions": "Blocks this tier evicted itself (disk; Redis evicts server-side).",
     "errors": "I/O or server failures.",
     "lookup_timeouts": "Disk lookups of blocks other engines wrote that got no answer "
-                       "within 0.1 s (disk_lookups=thread): misses.",
+                       f"within {DEFAULT_LOOKUP_TIMEOUT_S} s (disk_lookups=thread): misses.",
     "read_ms": "Milliseconds I/O threads spent reading this tier (promotions); "
                "divided by tier_hits + tier_misses: the read latency per block.",
     "write_ms": "Milliseconds I/O threads spent writing to this tier.",

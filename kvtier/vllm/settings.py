@@ -74,8 +74,9 @@ class KVTierSettings:
     to disk; 2 spares the SSD the one-off prompts."""
     disk_lookups: str = "auto"
     """Where the scheduler looks for blocks other engines wrote to ``disk_path``:
-    "thread" (waits at most 0.1 s; a hung network file system costs that once,
-    then misses), "inline", or "auto": "thread" on a network or FUSE file system."""
+    "thread" (waits at most ``DEFAULT_LOOKUP_TIMEOUT_S``; a hung network file
+    system costs that once, then misses), "inline", or "auto": "thread" on a
+    network or FUSE file system (``kvtier.tiers.disk_lookups``)."""
     redis_url: str | None = None
     """Redis/Valkey URL of the shared tier; None: no Redis tier."""
     redis_write_policy: str = "store"
