@@ -562,6 +562,9 @@ def test_lookups_go_to_a_thread_on_network_file_systems(tmp_path: Path) -> None:
     assert make(tmp_path / "e", lookups="thread").stats()["lookups"] == "thread"
     with pytest.raises(TierConfigError, match="lookups must be one of"):
         make(tmp_path / "f", lookups="sometimes")
+    for mode in ("inline", "thread"):
+        with pytest.raises(TierConfigError, match="lookup_timeout_s"):
+            make(tmp_path / "g", lookups=mode, lookup_timeout_s=float("nan"))
 
 
 def test_rescan_bounds_the_union_of_engines(tmp_path: Path) -> None:

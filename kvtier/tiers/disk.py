@@ -180,6 +180,7 @@ class DiskTier(Tier):
         if rescan_interval_s is not None:
             seconds_setting("disk tier", "rescan_interval_s", rescan_interval_s)
         seconds_setting("disk tier", "tmp_max_age_s", tmp_max_age_s)
+        seconds_setting("disk tier", "lookup_timeout_s", lookup_timeout_s)  # in any mode
         self.fsync = bool(fsync)
         self.rescan_interval_s = rescan_interval_s
         self.tmp_max_age_s = float(tmp_max_age_s)
