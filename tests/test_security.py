@@ -16,6 +16,7 @@ import logging
 import os
 import shutil
 import stat
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -600,3 +601,47 @@ def test_engines_with_long_ids_get_regions_of_their_own() -> None:
     names |= {shared_region_name("a/b", 0), shared_region_name("a_b", 0)}
     assert len(names) == 4
     assert shared_region_name("3f2c-uuid", 1) == "kvtier-3f2c-uuid-rank1.slots"
+
+
+def test_a_second_engine_with_the_same_id_refuses_to_share_its_region() -> None:
+    # Two launches given the same engine_id (a copied --kv-transfer-config)
+    # must not join one slot region: each block table would hand out the same
+    # slots and one engine would load the other's bytes.
+    import torch
+    from vllm.v1.kv_offload.base import (
+        CanonicalKVCacheRef,
+        CanonicalKVCaches,
+        CanonicalKVCacheTensor,
+    )
+    from vllm.v1.kv_offload.config import (
+        OffloadingCacheConfig,
+        OffloadingConfig,
+        OffloadingGroupConfig,
+        OffloadingModelConfig,
+        OffloadingParallelConfig,
+    )
+
+    from kvtier.vllm.settings import ConfigError
+    from kvtier.vllm.spec import KVTierSpec
+
+    page, engine_id = 4096, f"copied-{uuid.uuid4().hex[:8]}"
+
+    def worker_of() -> object:
+        config = OffloadingConfig(
+            groups=(OffloadingGroupConfig(16, ("layer.0",), 0),), worker_kv_bytes_per_block=page,
+            enable_kv_cache_events=False, extra_config={"cpu_bytes_to_use": 16 * page},
+            engine_id=engine_id, model=OffloadingModelConfig("m", "bfloat16"),
+            cache=OffloadingCacheConfig(16, 1),
+            parallel=OffloadingParallelConfig(0, 1, 1, 1, 1, 1, 0, 1, None, False))
+        kv = torch.zeros((8, page), dtype=torch.int8)
+        caches = CanonicalKVCaches([CanonicalKVCacheTensor(kv, page)],
+                                   [[CanonicalKVCacheRef(0, page)]])
+        return KVTierSpec(config).get_worker(caches)
+
+    first = worker_of()
+    try:
+        with pytest.raises(ConfigError, match=f"engine_id '{engine_id}'.*same"):
+            worker_of()
+    finally:
+        first.shutdown()  # type: ignore[attr-defined]
+    worker_of().shutdown()  # type: ignore[attr-defined]  # the name is free again

@@ -20,6 +20,7 @@ from kvtier.slots.region import (
     SlotRegion,
     cleanup_stale_regions,
     default_shm_dir,
+    region_creator,
     region_name,
 )
 
@@ -122,20 +123,18 @@ def test_attach_checks_geometry_and_kind(region: SlotRegion, tmp_path: Path) -> 
     with pytest.raises(ValueError, match="not a kvtier slot region"):
         SlotRegion.attach(junk)
 
-def test_create_twice_fails_and_create_or_attach_joins(engine_id: str) -> None:
+def test_create_twice_fails_and_the_creator_is_known(engine_id: str) -> None:
     name = f"kvtier-{engine_id}-rank0.slots"
-    first = SlotRegion.create_or_attach(engine_id, 4, 100, name=name)
+    first = SlotRegion.create(engine_id, 4, 100, name=name)
     try:
         with pytest.raises(FileExistsError, match="already exists"):
             SlotRegion.create(engine_id, 4, 100, name=name)
-        second = SlotRegion.create_or_attach(engine_id, 4, 100, name=name)
-        assert first.is_creator and not second.is_creator
-        second.slot_array(1)[0] = 7
-        assert first.slot_array(1)[0] == 7
-        second.close()
+        assert region_creator(name) == (os.getpid(), first.header.creator_start_ticks)
     finally:
         first.close()
     assert not (default_shm_dir() / name).exists()
+    assert region_creator(name) is None
+
 
 # ---------------------------------------------------------------- cleanup
 def test_close_unlinks_and_is_idempotent(engine_id: str) -> None:

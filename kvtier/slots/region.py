@@ -192,6 +192,12 @@ def cleanup_stale_regions(shm_dir: str | Path | None = None) -> list[Path]:
     return removed
 
 
+def region_creator(name: str, shm_dir: str | Path | None = None) -> tuple[int, int] | None:
+    """``(pid, start_ticks)`` of the process that made region ``name``, if known."""
+    directory = Path(shm_dir) if shm_dir is not None else default_shm_dir()
+    return _creator_of(directory / name)
+
+
 def _creator_of(path: Path) -> tuple[int, int] | None:
     """``(pid, start_ticks)`` of the process that made ``path``, if known."""
     tmp = _TMP_PID.search(path.name)
@@ -293,36 +299,6 @@ class SlotRegion:
             _unlink_quietly(path)
             raise
         return region
-
-    @classmethod
-    def create_or_attach(
-        cls,
-        engine_id: str,
-        num_slots: int,
-        slot_bytes: int,
-        *,
-        name: str,
-        shm_dir: str | Path | None = None,
-        alignment: int = DEFAULT_ALIGNMENT,
-        reaper: bool = False,
-    ) -> SlotRegion:
-        """Create region ``name``, or attach if another live process has.
-
-        For processes of one engine that agree on a name (e.g. engine id and
-        rank) but not on who starts first. The geometry must match.
-        """
-        try:
-            return cls.create(
-                engine_id,
-                num_slots,
-                slot_bytes,
-                alignment=alignment,
-                shm_dir=shm_dir,
-                name=name,
-                reaper=reaper,
-            )
-        except FileExistsError:
-            return cls.attach(name, shm_dir=shm_dir, num_slots=num_slots, slot_bytes=slot_bytes)
 
     @staticmethod
     def _new_header(

@@ -20,7 +20,7 @@ from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
 from kvtier.identity import IdentityError, ModelIdentity
 from kvtier.manager import OffloadManager
-from kvtier.slots.region import DEFAULT_ALIGNMENT, PREFIX, SUFFIX, SlotRegion
+from kvtier.slots.region import DEFAULT_ALIGNMENT, PREFIX, SUFFIX, SlotRegion, region_creator
 from kvtier.tiers.base import Tier
 from kvtier.tiers.cascade import TierCascade, WritePolicy
 from kvtier.tiers.io_pool import SlotSource
@@ -53,6 +53,30 @@ def shared_region_name(engine_id: str, rank: int) -> str:
         digest = hashlib.blake2b(engine_id.encode(), digest_size=6).hexdigest()
         safe = f"{safe[:REGION_ID_CHARS - 13]}-{digest}"
     return f"{PREFIX}{safe or 'engine'}-rank{rank}{SUFFIX}"
+
+
+def create_worker_region(engine_id: str, rank: int, num_slots: int,
+                         slot_bytes: int) -> SlotRegion:
+    """Create an engine rank's slot region; ``ConfigError`` when a live process
+    already has one under that name.
+
+    Only the rank's worker creates its region (the scheduler attaches), so an
+    existing live region belongs to another engine started with the same
+    ``engine_id``: joining it would let two block tables hand out the same
+    slots, and each engine would load the other's bytes.
+    """
+    name = shared_region_name(engine_id, rank)
+    try:
+        # vLLM kills its workers at shutdown: the reaper removes the file anyway
+        return SlotRegion.create(engine_id, num_slots, slot_bytes, name=name, reaper=True)
+    except FileExistsError:
+        creator = region_creator(name)
+        owner = f"process {creator[0]}" if creator else "another process"
+        raise ConfigError(
+            f"slot region {name!r} for engine_id {engine_id!r} rank {rank} is held by "
+            f"{owner}: another engine on this host uses the same kv_transfer_config "
+            "engine_id. Give each engine its own engine_id, or leave it unset (vLLM "
+            "then picks a unique one)") from None
 
 
 class KVTierSpec(OffloadingSpec):
@@ -253,14 +277,8 @@ class KVTierSpec(OffloadingSpec):
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if self._worker is None:
-            rank = self.config.parallel.rank
-            region = SlotRegion.create_or_attach(
-                self.config.engine_id,
-                self.num_slots,
-                self.slot_bytes,
-                name=shared_region_name(self.config.engine_id, rank),
-                reaper=True,  # vLLM kills its workers at shutdown: the file must go anyway
-            )
+            region = create_worker_region(self.config.engine_id, self.config.parallel.rank,
+                                          self.num_slots, self.slot_bytes)
             try:
                 self._worker = VllmSlotWorker(kv_caches, region, own_region=True)
             except BaseException:
