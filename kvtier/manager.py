@@ -552,7 +552,8 @@ class OffloadManager:
         they are forgotten, and a request's next completion of a key is that of
         its next grant. ``busy_slots``: slots an I/O job outside the manager
         may still read or write (the tier cascade's, when its drain timed
-        out); they are handed out again only after ``release_slots``.
+        out), each job's slots once (a slot two jobs use, twice); they are
+        handed out again only after ``release_slots`` of every such job.
         Emits a ``removed`` event for the blocks that were ready.
         """
         self._free.reset(busy_slots)  # first: it checks them
@@ -569,8 +570,9 @@ class OffloadManager:
         self._history.clear()
 
     def release_slots(self, slots: Iterable[int]) -> None:
-        """Hand out again slots held back by ``reset(busy_slots=...)`` (their
-        I/O ended); any other slot is ignored."""
+        """One job's I/O on ``slots``, held back by ``reset(busy_slots=...)``,
+        ended: those no other such job uses are handed out again; any other
+        slot is ignored."""
         self._free.release(slots)
 
     def take_events(self) -> list[Event]:

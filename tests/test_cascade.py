@@ -428,6 +428,48 @@ def test_reset_holds_back_the_slot_a_late_write_reads(tmp_path: Path, region: Sl
         c.shutdown()
 
 
+def test_a_slot_two_late_writes_read_is_held_back_until_both_end(
+    tmp_path: Path, region: SlotRegion
+) -> None:
+    # two write jobs copy one block (tier b takes it at its first use, tier a
+    # at its second); a reset stops waiting for both: the first to end must
+    # not free the slot the second still copies from
+    low_a, low_b = DiskTier(tmp_path / "a", NS, 64 << 20, free_reserve_bytes=0), disk(tmp_path)
+    gate_a, gate_b = Gate(low_a), Gate(low_b)
+    c = TierCascade(OffloadManager(SLOTS), region, [gate_a, gate_b], store_threshold=[2, 1])
+    try:
+        first = RequestContext("first")
+        out = c.prepare_store([block_key(0)], first)
+        assert out is not None
+        region.slot_array(out.block_ids[0])[:] = payload(0)
+        c.complete_store(out.keys_to_store, first)  # job 1: tier b
+        c.on_request_finished(first)
+        assert gate_b.entered.wait(5)
+        again = c.prepare_store([block_key(0)], RequestContext("again"))
+        assert again is not None and again.keys_to_store == []
+        c.on_schedule_end()  # job 2: tier a, from the same slot
+        assert gate_a.entered.wait(5)
+        c.reset(timeout_s=0.05)
+        c.reset(timeout_s=0.05)  # a job abandoned twice still ends once
+        gate_b.opened.set()
+        deadline = time.monotonic() + 5
+        while c.stats()["cascade_writes"] < 1:  # job 1 ended and was applied
+            assert time.monotonic() < deadline, "job 1 never ended"
+            c.on_schedule_end()
+            time.sleep(0.005)
+        placed = fill_free_slots(c, region, 200)
+        assert len(placed) == SLOTS - 1  # not the slot job 2 still reads
+        gate_a.opened.set()
+        assert c.drain()
+        assert c.manager.debug_state()["held_back"] == 0 and c.manager.stats()["free"] == 1
+        got = low_a.get([block_key(0)])[0]
+        assert got is not None and np.array_equal(np.frombuffer(got, np.uint8), payload(0))
+    finally:
+        gate_a.opened.set()
+        gate_b.opened.set()
+        c.shutdown()
+
+
 def test_write_through_skips_blocks_the_tier_holds(tmp_path: Path, region: SlotRegion) -> None:
     tier = disk(tmp_path)
     c = TierCascade(OffloadManager(SLOTS), region, [tier])

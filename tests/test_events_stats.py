@@ -289,6 +289,21 @@ def test_reset_holds_back_busy_slots_until_released() -> None:
         mgr.reset(busy_slots=[3])
 
 
+def test_a_slot_two_jobs_use_is_held_back_until_both_release_it() -> None:
+    mgr = OffloadManager(4)
+    ks = keys(range(4))
+    fill(mgr, ks)
+    job1 = mgr.pin_internal(ks[:1])
+    job2 = mgr.pin_internal(ks[:1])  # a second write job reading the same slot
+    mgr.reset(owed_completions=False, busy_slots=job1 + job2)
+    mgr.release_slots(job1)
+    assert mgr.debug_state()["held_back"] == 1 and mgr.stats()["free"] == 3
+    out = mgr.prepare_store(keys(range(10, 14)), request("r", keys(range(10, 14))))
+    assert out is None  # job 2 still reads that slot
+    mgr.release_slots(job2)
+    assert mgr.debug_state()["held_back"] == 0 and mgr.stats()["free"] == 4
+
+
 def test_load_and_store_after_reset_work_normally() -> None:
     mgr = OffloadManager(4)
     ks = keys(range(2))

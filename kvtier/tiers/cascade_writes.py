@@ -215,6 +215,8 @@ class CascadeWrites:
         them); return the slots they may still read."""
         slots: list[int] = []
         for job in self.running.values():
+            if job.abandoned:  # by an earlier reset: its slots are held back already
+                continue
             job.abandoned = True
             if job.copies is None:
                 slots += job.slots
