@@ -170,7 +170,8 @@ class OffloadManager:
         new = [k for k in run if k not in leased] if leased else run
         if len(new) > 1 and len(set(new)) != len(new):
             new = list(dict.fromkeys(new))
-        if not new:
+        if not new:  # asked again for what it holds: its leases last from now
+            self._leases.granted(ctx, 0, now)
             return hits
         mine, blocks = self._leases.budgets(ctx, len(self._lease_count))
         counted = self._lease_count

@@ -207,6 +207,22 @@ def test_new_grant_extends_the_requests_leases(fake_clock: FakeClock) -> None:
     mgr.prepare_load(ks[:2], r1)
 
 
+@pytest.mark.parametrize("one", [False, True], ids=["lookup", "lookup_one"])
+def test_asking_again_for_held_keys_extends_the_leases(fake_clock: FakeClock, one: bool) -> None:
+    # a request waiting in the engine's queue asks every step: what it was
+    # told is a hit must stay loadable, however long it waits
+    mgr, ks = full_cache(2, max_leased_blocks=2, lease_timeout_s=10.0)
+    r1 = request("r1")
+    for _ in range(20):  # asked for 10 s, the lease timeout, nothing new leased
+        if one:
+            assert mgr.lookup_one(ks[0], r1) is LookupResult.HIT
+        else:
+            assert mgr.lookup(ks[:1], r1) == 1
+        fake_clock.advance(0.5)
+    assert try_store(mgr, 2, "a") is None  # 0.5 s after the last lookup
+    mgr.prepare_load(ks[:1], r1)
+
+
 def test_default_lease_timeout_is_sixty_seconds(fake_clock: FakeClock) -> None:
     mgr, ks = full_cache(2, max_leased_blocks=2)
     assert mgr.lookup(ks, request("abandoned")) == 2
