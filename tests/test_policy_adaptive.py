@@ -143,6 +143,24 @@ def test_state_stays_bounded_under_long_random_use() -> None:
     assert pol.sizes()["shadow_resident"] == 0
 
 
+def test_shadows_stay_bounded_when_requests_are_larger_than_the_cache() -> None:
+    # the manager stores nothing of an offer larger than the cache; a shadow,
+    # offered more sampled keys than it holds, keeps their head
+    from kvtier import OffloadManager, RequestContext
+
+    mgr = OffloadManager(100, policy="adaptive")
+    assert isinstance(mgr.policy, AdaptivePolicy)
+    for r in range(60):
+        ctx = RequestContext(f"r{r}")
+        keys = ks(range(r * 1000, r * 1000 + 400))
+        ctx.set_positions(keys, 16, 16)
+        mgr.lookup(keys, ctx)
+        assert mgr.prepare_store(keys, ctx) is None
+        mgr.on_request_finished(ctx)
+    for shadow in mgr.policy.shadows:
+        assert len(shadow.resident) == len(shadow.policy) <= shadow.capacity
+
+
 def test_follows_the_best_shadow() -> None:
     # Hot documents reused far apart, between floods of one-off blocks: the
     # admission shadows score more, and the real cache takes their mode.

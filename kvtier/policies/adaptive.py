@@ -58,6 +58,8 @@ class _Shadow:
                         break
                     n += 1
                 missing = missing[:n if n > room else room]
+            if len(missing) > self.capacity:  # an offer larger than the shadow: its head
+                missing = missing[:self.capacity]
             if missing:
                 over = len(resident) + len(missing) - self.capacity
                 if over > 0:
