@@ -452,7 +452,10 @@ class OffloadManager:
         """Finish ``reserve``: READY on success, slot freed on failure.
 
         Keys not reserved (completed already, or reserved before a ``reset()``)
-        are ignored, so a late completion never touches a newer block.
+        are ignored. A reservation a ``reset()`` outlived must not be
+        completed: the key may be reserved again since, and the completion
+        would apply to that newer reservation; its caller gives the slots back
+        with ``release_slots`` instead (as the tier cascade does).
         """
         keys = [k for k in dict.fromkeys(check_keys(keys)) if k in self._reserved]
         if not keys:
@@ -503,7 +506,9 @@ class OffloadManager:
 
     def unpin_internal(self, keys: Iterable[bytes]) -> None:
         """Undo ``pin_internal``; keys without an internal pin (e.g. after a
-        ``reset()``) are ignored."""
+        ``reset()``) are ignored. A pin taken before a ``reset()`` must not be
+        undone after it (the key may be pinned again since): its caller gives
+        the slots back with ``release_slots`` instead."""
         self._holds.unpin_internal(check_keys(keys))
 
     # -- recency -----------------------------------------------------------
