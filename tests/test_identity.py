@@ -256,3 +256,53 @@ def test_no_home_directory_means_no_remembered_digests(
     assert default_cache_dir() is None
     checkpoint(tmp_path / "a")
     assert weights_digest(tmp_path / "a").read == 1
+
+
+def test_a_longrope_model_at_another_max_model_len_gets_another_identity(
+        tmp_path: Path) -> None:
+    # vLLM picks a LongRoPE model's factors by max_model_len (above the
+    # original context it uses the long ones): the stored, rotated keys differ
+    import json
+
+    import torch
+    from vllm.config import (
+        CacheConfig,
+        LoadConfig,
+        ModelConfig,
+        VllmConfig,
+        set_current_vllm_config,
+    )
+    from vllm.model_executor.layers import rotary_embedding
+
+    from kvtier.identity import config_digest
+    from kvtier.vllm.identity import effective_config
+
+    head = 32
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "hidden_size": 128,
+        "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 4,
+        "num_hidden_layers": 2, "vocab_size": 512, "max_position_embeddings": 131072,
+        "original_max_position_embeddings": 4096, "rope_theta": 10000.0,
+        "rope_scaling": {"type": "longrope", "short_factor": [1.0] * (head // 2),
+                         "long_factor": [4.0] * (head // 2)},
+        "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2}))
+
+    def engine(max_len: int) -> VllmConfig:
+        model = ModelConfig(model=str(tmp_path), max_model_len=max_len,
+                            skip_tokenizer_init=True, dtype="bfloat16")
+        return VllmConfig(model_config=model, cache_config=CacheConfig(),
+                          load_config=LoadConfig())
+
+    def rotated_keys(config: VllmConfig) -> torch.Tensor:
+        rotary_embedding._ROPE_DICT.clear()  # vLLM caches one rope per process
+        hf = config.model_config.hf_config
+        with set_current_vllm_config(config):
+            rope = rotary_embedding.get_rope(
+                head, max_position=hf.max_position_embeddings, is_neox_style=True,
+                rope_parameters=hf.rope_parameters, dtype=torch.float32)
+        ones = torch.ones(8, head)
+        return rope.forward(torch.arange(8), ones.clone(), ones.clone())[1]
+
+    short, long = engine(4096), engine(8192)
+    assert not torch.allclose(rotated_keys(short), rotated_keys(long))
+    assert config_digest(effective_config(short)) != config_digest(effective_config(long))

@@ -8,7 +8,8 @@ its effective config, so the spec reads them from the engine's ``VllmConfig``
   scaling, sliding window, quantization config, head geometry...), with the
   fields that only say where or by which library version it was saved dropped;
 * the overrides themselves, dtype, quantization, ``disable_sliding_window``,
-  the architecture and model implementation vLLM chose, the load format;
+  the architecture and model implementation vLLM chose, the load format, and
+  ``max_model_len`` (LongRoPE's factors depend on it);
 * the KV cache: its dtype, per-layer dtype exceptions, sliding window, Mamba
   state dtypes, and the engine's block hashing (``prefix_caching_hash_algo``).
 
@@ -38,8 +39,11 @@ logger = logging.getLogger(__name__)
 MODEL_FIELDS = (
     "dtype", "quantization", "quantization_config", "hf_overrides", "disable_sliding_window",
     "model_impl", "runner", "convert", "model_class_overrides", "architecture",
+    "max_model_len",
 )
-"""``ModelConfig`` attributes that change the KV a model computes."""
+"""``ModelConfig`` attributes that change the KV a model computes
+(``max_model_len``: LongRoPE models, Phi-3's 128k ones among them, choose their
+RoPE factors by it, and keys are stored after RoPE)."""
 
 CACHE_FIELDS = (
     "cache_dtype", "prefix_caching_hash_algo", "kv_cache_dtype_skip_layers", "sliding_window",
