@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -270,3 +271,44 @@ def test_vllm_adapter_round_trip(region: SlotRegion) -> None:
         assert torch.equal(s_t[1:4], d_t[7:10])
     with pytest.raises(NotImplementedError, match="blocks_per_chunk=2"):
         VllmSlotWorker(caches(src), region, blocks_per_chunk=2)
+
+
+def test_a_failed_parallel_copy_is_reported_after_every_shard_ended(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # the caller frees a failed store's slots at once: a shard still copying
+    # then would write into the bytes of the slot's next block. (The failure
+    # is injected: a copy cannot be made to fail on demand.)
+    import threading
+
+    from kvtier.slots import worker as worker_module
+
+    blocks = 32
+    page = 2 * worker_module.PARALLEL_MIN_BYTES // blocks  # copied by both threads
+    region = SlotRegion.create(f"test-{uuid.uuid4().hex[:8]}", blocks, page)
+    worker = TransferWorker([torch.full((blocks, page), 7, dtype=torch.uint8)], region,
+                            copy_threads=2)
+    copy = worker_module._CopyTask.run
+    released = threading.Event()
+
+    def run(task: Any) -> None:
+        if 0 in task.src_ids.tolist():
+            raise MemoryError("injected")
+        released.wait(0.5)  # still copying when the other shard fails
+        copy(task)
+
+    monkeypatch.setattr(worker_module._CopyTask, "run", run)
+    try:
+        region.as_numpy()[:] = 0
+        ids = np.arange(blocks)
+        worker.store(1, ids, ids)
+        [result] = worker.get_finished()
+        assert result.success is False
+        region.as_numpy()[blocks - 1][:] = 42  # the slot's next block
+        released.set()
+        time.sleep(0.1)
+        assert int(region.as_numpy()[blocks - 1][0]) == 42
+    finally:
+        released.set()
+        worker.shutdown()
+        region.close()

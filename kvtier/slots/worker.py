@@ -20,7 +20,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -423,6 +423,10 @@ class CpuCopier:
             tasks = [part for task in tasks for part in task.split(self._threads)]
         shards: list[list[_CopyTask]] = [tasks[i :: self._threads] for i in range(self._threads)]
         futures = [self._pool.submit(_run_all, shard) for shard in shards if shard]
+        # every shard ends before a failure is reported: the caller frees or
+        # reuses the job's slots and blocks then, and a shard still copying
+        # would write into their next owner's bytes
+        wait(futures)
         for future in futures:
             future.result()
 
