@@ -334,6 +334,68 @@ def test_promotion_timeout_reports_miss_then_frees_slot(
         c.shutdown()
 
 
+def test_writes_that_hang_leave_no_slot_reserved_for_promotions(
+    tmp_path: Path, region: SlotRegion
+) -> None:
+    # a disk whose writes hang holds the I/O thread: a promotion queued
+    # behind it gives its slot back after promotion_timeout_s, and no new one
+    # reserves a slot while the write hangs (a lost mount would otherwise
+    # take every CPU slot, one lookup at a time)
+    low = disk(tmp_path)
+    low.put([(block_key(i), payload(i)) for i in (10, 11)])
+    gate = Gate(low)
+    c = TierCascade(OffloadManager(SLOTS), region, [gate], io_threads=1,
+                    promotion_timeout_s=0.05)
+    try:
+        store(c, region, [0])
+        c.on_schedule_end()
+        assert gate.entered.wait(5)  # block 0's write-through hangs
+        ctx = RequestContext("r")
+        assert c.lookup_one(block_key(10), ctx) is PENDING
+        c.on_schedule_end()  # queued behind the write
+        assert c.manager.stats()["write_pending"] == 1
+        time.sleep(0.06)
+        c.on_schedule_end()
+        assert c.manager.stats()["write_pending"] == 0  # never started: slot given back
+        assert c.stats()["promotion_timeouts"] == 1
+        assert c.lookup_one(block_key(11), ctx) is MISS
+        assert c.stats()["promotions_stalled"] == 1 and c.manager.stats()["write_pending"] == 0
+        gate.opened.set()  # the disk answers again: promotions from it again
+        assert c.drain()
+        c.on_schedule_end()
+        assert settle(c, block_key(11), ctx) is HIT
+    finally:
+        gate.opened.set()
+        c.shutdown()
+
+
+def test_no_promotion_is_sent_while_every_io_thread_hangs(
+    tmp_path: Path, region: SlotRegion
+) -> None:
+    # the only I/O thread hangs in one tier's write: a healthy tier's
+    # promotion could not start in time either
+    hung = Gate(disk(tmp_path))
+    healthy = DiskTier(tmp_path / "healthy", NS, 64 << 20, free_reserve_bytes=0)
+    healthy.put([(block_key(20), payload(20))])
+    c = TierCascade(OffloadManager(SLOTS), region, [hung, healthy], io_threads=1,
+                    promotion_timeout_s=0.05)
+    try:
+        store(c, region, [0])
+        c.on_schedule_end()
+        assert hung.entered.wait(5)
+        time.sleep(0.06)
+        c.on_schedule_end()  # finds the write overdue
+        assert c.lookup_one(block_key(20), RequestContext("r")) is MISS
+        assert c.manager.stats()["write_pending"] == 0
+        hung.opened.set()
+        assert c.drain()
+        c.on_schedule_end()
+        assert settle(c, block_key(20), RequestContext("r2")) is HIT
+    finally:
+        hung.opened.set()
+        c.shutdown()
+
+
 def test_the_stalled_tier_is_the_one_a_read_hangs_in(tmp_path: Path, region: SlotRegion) -> None:
     # A promotion tries the disk tiers in order; the first has a stale entry for
     # block 0 (its file is gone), so the read falls through to the second, which hangs.

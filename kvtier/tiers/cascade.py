@@ -176,7 +176,7 @@ class TierCascade:
                                      self.counters, max_tracker_size)
         self._batching: dict[tuple[int, ...], PromotionJob] = {}  # this step's promotions
         self._inflight: dict[bytes, PromotionJob] = {}
-        self._stalls = StalledTiers(self.promotion_timeout_s)
+        self._stalls = StalledTiers(self.promotion_timeout_s, self._pool.threads)
         self._probes_in_flight = 0
         # Seconds I/O threads spent in each tier's calls: "read" (promotions)
         # and "write" (writes with their presence check); one entry per tier.
@@ -275,7 +275,9 @@ class TierCascade:
         """End of a scheduling step: apply finished jobs, then submit the
         step's promotions, remote existence checks and admitted writes."""
         self.poll()
-        self._stalls.check(time.monotonic())
+        now = time.monotonic()
+        self._stalls.check(now, self._writes.running.values())
+        self._drop_unstarted_promotions(now)
         self._submit_promotions()
         self._submit_probes()
         self._writes.submit_due()
@@ -294,6 +296,22 @@ class TierCascade:
                 for key in job.keys:
                     self._inflight.pop(key, None)
                 self.manager.complete_reserve(job.keys, success=False)
+
+    def _drop_unstarted_promotions(self, now: float) -> None:
+        """Give back the slots of promotions no I/O thread took within
+        ``promotion_timeout_s`` (every thread is in a slow call): their lookups
+        answer MISS by now, and the slots would stay reserved until a thread
+        frees up, for as long as a hung tier holds them all."""
+        for job in self._pool.take_unstarted_promotions(now - self.promotion_timeout_s):
+            self._stalls.ended(job)
+            if job.abandoned:
+                self.manager.release_slots(job.slots)
+                continue
+            self._note_overdue(job)
+            for key in job.keys:
+                self._inflight.pop(key, None)
+            self.manager.complete_reserve(job.keys, success=False)
+            self._outcomes.note_failures(job.keys, now)
 
     def _submit_probes(self) -> None:
         now = time.monotonic()

@@ -110,7 +110,9 @@ class WriteJob:
     """Blocks to copy to ``tiers``: from pinned ``slots``, or from ``copies``
     (owned bytes of evicted slots) when set. Counts per block and tier;
     ``busy``: seconds spent in each tier's calls, by tier name; ``abandoned``:
-    as for :class:`PromotionJob` (its pins are gone with the reset)."""
+    as for :class:`PromotionJob` (its pins are gone with the reset);
+    ``writing``: (tier, monotonic start) of the tier call running now, set by
+    the I/O thread, as ``PromotionJob.reading``."""
 
     keys: list[bytes]
     slots: list[int]
@@ -121,6 +123,7 @@ class WriteJob:
     failed: int = 0
     busy: dict[str, float] = field(default_factory=dict)
     abandoned: bool = False
+    writing: tuple[Tier, float] | None = None
 
     def run(self, region: SlotSource | None) -> None:
         if self.copies is not None:
@@ -135,6 +138,7 @@ class WriteJob:
                 self.failed += len(self.keys)
                 continue
             t0 = time.perf_counter()
+            self.writing = (tier, time.monotonic())
             try:
                 held = tier.contains_waiting(self.keys)
                 items = [(k, b) for k, b, h in zip(self.keys, sources, held, strict=True) if not h]
@@ -147,6 +151,7 @@ class WriteJob:
                 self.failed += len(self.keys)
                 _warn.warning("kvtier cascade: %s write failed: %s", tier.name, exc)
             finally:
+                self.writing = None
                 self.busy[tier.name] = self.busy.get(tier.name, 0.0) + time.perf_counter() - t0
 
 
@@ -182,6 +187,11 @@ class IOPool:
         for thread in self._threads:
             thread.start()
 
+    @property
+    def threads(self) -> int:
+        """Number of I/O threads."""
+        return len(self._threads)
+
     def reads_full(self) -> bool:
         with self._cond:
             return len(self._reads) >= self.max_queue
@@ -197,6 +207,17 @@ class IOPool:
             queue.append(job)
             self._cond.notify()
         return True
+
+    def take_unstarted_promotions(self, submitted_before: float) -> list[PromotionJob]:
+        """Remove and return the queued promotions submitted (``started``)
+        before ``submitted_before``: no thread took them in time."""
+        with self._cond:
+            late = [job for job in self._reads
+                    if isinstance(job, PromotionJob) and job.started < submitted_before]
+            if late:
+                gone = set(map(id, late))
+                self._reads = deque(job for job in self._reads if id(job) not in gone)
+        return late
 
     def take_done(self) -> list[Job]:
         done = self._done

@@ -33,8 +33,9 @@ TIER_COUNTERS = {
     "promotion_timeouts": "Blocks whose promotion ran past promotion_timeout_s (a request "
                           "that asked for one meanwhile computed it instead).",
     "promotions_deferred": "Lower-tier hits not promoted because the read queue was full.",
-    "promotions_stalled": "Lookups that passed a tier by: one of its reads ran past "
-                          "promotion_timeout_s (no new promotions until it returns).",
+    "promotions_stalled": "Lookups that passed a tier by: one of its reads or writes ran "
+                          "past promotion_timeout_s, or every I/O thread's call did (no "
+                          "new promotions until it returns).",
     "probes": "Keys whose presence in Redis was checked in a batch (asynchronous lookups).",
     "cascade_writes": "Blocks written from CPU slots to the disk/Redis tiers.",
     "duplicate_writes_skipped": "Block writes skipped because the tier held the block.",
