@@ -239,10 +239,12 @@ def test_capacity_evicts_least_recently_used(tmp_path: Path) -> None:
 
 def test_lookups_and_stats_do_not_wait_for_a_writer_holding_the_lock(tmp_path: Path) -> None:
     # A writer holds the tier's lock while it unlinks evicted files, which a
-    # slow disk makes long; contains() and stats() run on the scheduler's thread.
-    tier = make(tmp_path)
-    keys = [block_key(i) for i in range(3)]
+    # slow disk makes long; contains() and stats() run on the scheduler's thread,
+    # and so does finding a block another engine wrote (inline lookups).
+    tier = make(tmp_path, lookups="inline")
+    keys = [block_key(i) for i in range(4)]
     tier.put([(k, payload(i)) for i, k in enumerate(keys[:2])])
+    make(tmp_path).put([(keys[3], payload(3))])  # another engine's block
     answers: list[object] = []
 
     def scheduler() -> None:
@@ -257,7 +259,8 @@ def test_lookups_and_stats_do_not_wait_for_a_writer_holding_the_lock(tmp_path: P
         done = not thread.is_alive()
     thread.join(timeout=10)
     assert done, "the lookup waited for the lock"
-    assert answers == [[True, True, False], 2, 2]
+    assert answers == [[True, True, False, True], 2, 2]
+    assert tier.contains(keys[3:]) == [True] and tier.stats()["discovered"] == 1  # indexed now
 
 
 def test_block_larger_than_capacity_is_dropped(tmp_path: Path) -> None:

@@ -373,16 +373,21 @@ class DiskTier(Tier):
         if not unknown:
             return out
         asked = [keys[i] for i in unknown]
-        if waiting or self._lookups is None:
+        if waiting:
             found: list[bool] | None = self._find_written_by_others(asked)
+        elif self._lookups is None:  # on the scheduler's thread: never wait for a writer
+            found = self._find_written_by_others(asked, wait_for_lock=False)
         else:
             found = self._lookups.run(lambda: self._find_written_by_others(asked))
         for i, held in zip(unknown, found or (), strict=False):
             out[i] = held
         return out
 
-    def _find_written_by_others(self, keys: list[bytes]) -> list[bool]:
-        """Look for the files of ``keys`` (not in the index), indexing those found."""
+    def _find_written_by_others(self, keys: list[bytes],
+                                wait_for_lock: bool = True) -> list[bool]:
+        """Look for the files of ``keys`` (not in the index), indexing those
+        found (without ``wait_for_lock``, only while no writer holds the lock:
+        a block left out is indexed at a later lookup, and reads need no index)."""
         out = []
         for key in keys:
             try:
@@ -392,17 +397,22 @@ class DiskTier(Tier):
                 continue
             out.append(stat.S_ISREG(st.st_mode))
             if out[-1]:
-                self._adopt(key, st.st_size)
+                self._adopt(key, st.st_size, wait_for_lock)
         return out
 
-    def _adopt(self, key: bytes, size: int) -> None:
-        """Index a block another engine wrote."""
-        with self._lock:
+    def _adopt(self, key: bytes, size: int, wait_for_lock: bool = True) -> None:
+        """Index a block another engine wrote (if the lock is free, without
+        ``wait_for_lock``)."""
+        if not self._lock.acquire(blocking=wait_for_lock):
+            return
+        try:
             # Checked under the lock: a block this process evicted meanwhile is gone.
             if key in self._index or key in self._pending or not os.path.exists(self.dir.file(key)):
                 return
             self._insert_locked(key, allocated(size))
             victims, _ = self._evict_locked(0)
+        finally:
+            self._lock.release()
         self._counters.add("discovered")
         self._remove_victims(victims)
 
