@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing as mp
 import os
 import signal
@@ -250,6 +251,22 @@ def test_region_with_reused_pid_is_stale(engine_id: str) -> None:
         assert path in cleanup_stale_regions()
     finally:
         path.unlink(missing_ok=True)
+
+def test_a_live_region_whose_pid_looks_dead_is_kept(engine_id: str) -> None:
+    # Containers sharing /dev/shm but not a pid namespace: the creator's pid
+    # names no process here, or another one. Its lock says it is alive.
+    live = SlotRegion.create(engine_id, 2, 64)
+    try:
+        elsewhere = dataclasses.replace(live.header, creator_pid=os.getpid(),
+                                        creator_start_ticks=1)
+        with live.path.open("r+b") as f:
+            f.write(elsewhere.pack())
+        assert cleanup_stale_regions() == []
+        assert live.path.exists()
+    finally:
+        live.close()
+    assert not live.path.exists()
+
 
 # ---------------------------------------------------------------- bad input
 @pytest.mark.parametrize(

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Self
 import numpy as np
 import numpy.typing as npt
 
+from kvtier.file_locks import hold_lock, is_locked
 from kvtier.slots.reaper import RegionReaper
 
 if TYPE_CHECKING:
@@ -212,8 +213,11 @@ def _creator_of(path: Path) -> tuple[int, int] | None:
 
 
 def _is_stale(path: Path) -> bool:
+    """Whether ``path``'s creator is gone: its pid names no such process, and
+    no process holds the file's lock (the creator's, ``hold_lock``: a creator
+    in another pid namespace, whose pid says nothing here, still holds it)."""
     creator = _creator_of(path)
-    return creator is not None and not pid_alive(*creator)
+    return creator is not None and not pid_alive(*creator) and not is_locked(path)
 
 
 class SlotRegion:
@@ -236,8 +240,11 @@ class SlotRegion:
         dropped; the name is unlinked regardless.
     """
 
-    def __init__(self, path: Path, header: RegionHeader, creator: bool) -> None:
-        """Map an existing, fully initialised region file (use create/attach)."""
+    def __init__(self, path: Path, header: RegionHeader, creator: bool,
+                 lock_fd: int | None = None) -> None:
+        """Map an existing, fully initialised region file (use create/attach);
+        the creator passes the descriptor holding the file's lock, closed with
+        the name."""
         self.path = path
         self.header = header
         self.is_creator = creator
@@ -252,7 +259,8 @@ class SlotRegion:
         )
         self._slots: U8Array | None = self._rows[:, : header.slot_bytes]
         self._finalizer = (
-            weakref.finalize(self, _unlink_if_owner, path, os.getpid()) if creator else None
+            weakref.finalize(self, _unlink_if_owner, path, os.getpid(), lock_fd)
+            if creator else None
         )
         self._reaper: RegionReaper | None = None
 
@@ -288,15 +296,19 @@ class SlotRegion:
         total = header.data_offset + num_slots * header.slot_stride
         _check_free_space(directory, total)
         path = directory / (name or region_name(engine_id))
-        cls._publish(path, header, total)
+        lock_fd = cls._publish(path, header, total)
         try:
-            region = cls(path, header, creator=True)
+            region = cls(path, header, creator=True, lock_fd=lock_fd)
+        except BaseException:
+            _unlink_if_owner(path, os.getpid(), lock_fd)
+            raise
+        try:
             if reaper:
                 region._reaper = RegionReaper(path)
             if populate:
                 region._populate()
         except BaseException:
-            _unlink_quietly(path)
+            region.close()  # unlinks and releases the lock, once
             raise
         return region
 
@@ -316,24 +328,30 @@ class SlotRegion:
         )
 
     @staticmethod
-    def _publish(path: Path, header: RegionHeader, total: int) -> None:
-        """Size a temp file, write the header, then hard-link it to ``path``."""
+    def _publish(path: Path, header: RegionHeader, total: int) -> int:
+        """Size a temp file, write the header, then hard-link it to ``path``;
+        return the descriptor that holds its lock (the caller closes it)."""
         stem = path.name.removesuffix(SUFFIX)
         tmp = path.with_name(f"{stem}.{os.getpid()}.{uuid.uuid4().hex[:8]}{TMP_SUFFIX}")
         fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
+            hold_lock(fd)  # for the region's life: no other engine's cleanup removes it
             os.ftruncate(fd, total)
             os.pwrite(fd, header.pack(), 0)
             os.link(tmp, path)  # fails with FileExistsError, unlike rename
         except FileExistsError as exc:
+            os.close(fd)
             raise FileExistsError(
                 errno.EEXIST,
                 f"slot region {path} already exists; an engine creates its "
                 "region once (close it first or pass another name)",
             ) from exc
-        finally:
+        except BaseException:
             os.close(fd)
+            raise
+        finally:
             _unlink_quietly(tmp)
+        return fd
 
     def _populate(self) -> None:
         """Pre-fault all pages for writing without changing their contents."""
@@ -511,7 +529,11 @@ def _unlink_quietly(path: Path) -> None:
         os.unlink(path)
 
 
-def _unlink_if_owner(path: Path, owner_pid: int) -> None:
-    """Unlink ``path`` unless running in a forked child of the creator."""
+def _unlink_if_owner(path: Path, owner_pid: int, lock_fd: int | None) -> None:
+    """Unlink ``path`` and release its lock, unless running in a forked child
+    of the creator."""
     if os.getpid() == owner_pid:
         _unlink_quietly(path)
+        if lock_fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(lock_fd)

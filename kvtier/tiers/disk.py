@@ -48,6 +48,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 
+from kvtier.file_locks import hold_lock
 from kvtier.tiers import blockfile
 from kvtier.tiers.base import (
     Counters,
@@ -68,7 +69,6 @@ from kvtier.tiers.disk_dir import (
     Scanned,
     TierDirectory,
     allocated,
-    lock_for_writing,
     unlink_quietly,
     write_full,
 )
@@ -619,7 +619,7 @@ class DiskTier(Tier):
                 self.dir.remake()
                 fd = os.open(tmp, O_WRITE, 0o600)
             try:
-                lock_for_writing(fd)  # held until the rename: see lock_for_writing
+                hold_lock(fd)  # until the rename: scans elsewhere leave the temp file alone
                 write_full(fd, [memoryview(header), view])
                 if self.fsync:
                     os.fsync(fd)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import json
 import logging
 import os
@@ -28,6 +27,7 @@ from pathlib import Path
 
 import xxhash
 
+from kvtier.file_locks import hold_lock, is_locked
 from kvtier.slots.region import pid_alive
 from kvtier.tiers.base import TierConfigError
 
@@ -78,35 +78,6 @@ def stale_temp(name: str, age_s: float, max_age_s: float, me: int | None = None)
         return False
     pid = int(match.group(1))
     return pid != me and not pid_alive(pid)
-
-
-def lock_for_writing(fd: int) -> None:
-    """Mark a new temp file as being written (an exclusive ``flock``, held until
-    its fd is closed, after the rename). A scan of another process, maybe in
-    another pid namespace (a container), whose pid test cannot see this
-    writer, then leaves the file alone. Best effort: a file system without
-    locks (some NFS setups) leaves the pid and age rules alone to decide.
-    Blocking: a scan's probe (``being_written``) holds the lock an instant."""
-    with contextlib.suppress(OSError):
-        fcntl.flock(fd, fcntl.LOCK_EX)
-
-
-def being_written(path: str) -> bool:
-    """Whether a writer holds ``path``'s lock (``lock_for_writing``) now."""
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
-                     | getattr(os, "O_NOFOLLOW", 0))
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
-    return False
 
 
 def write_full(fd: int, buffers: list[memoryview]) -> None:
@@ -223,7 +194,7 @@ class TierDirectory:
         try:
             fd = os.open(tmp, O_WRITE, 0o600)
             try:
-                lock_for_writing(fd)
+                hold_lock(fd)
                 write_full(fd, [memoryview(json.dumps(dict(manifest), sort_keys=True,
                                                       default=str).encode())])
                 os.replace(tmp, final)
@@ -287,4 +258,4 @@ def _stale_entry(entry: os.DirEntry[str], now: float, me: int, max_age_s: float)
         age = now - entry.stat(follow_symlinks=False).st_mtime
     except OSError:
         return False
-    return stale_temp(entry.name, age, max_age_s, me) and not being_written(entry.path)
+    return stale_temp(entry.name, age, max_age_s, me) and not is_locked(entry.path)

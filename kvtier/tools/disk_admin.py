@@ -28,10 +28,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvtier.file_locks import is_locked
 from kvtier.tiers import blockfile
 from kvtier.tiers.blockfile import CorruptBlockError
 from kvtier.tiers.disk import MAX_DISK_KEY_BYTES, TMP_MAX_AGE_S
-from kvtier.tiers.disk_dir import BLOCK_SUFFIX, being_written, fan_out_index, stale_temp
+from kvtier.tiers.disk_dir import BLOCK_SUFFIX, fan_out_index, stale_temp
 from kvtier.tools.disk_layout import (
     Entry,
     FileIdent,
@@ -87,7 +88,7 @@ class NamespaceReport:
         elif entry.kind == "temp":
             self.temp_files += 1
             self.stale_temp_files += (stale_temp(entry.name, now - entry.mtime, tmp_max_age_s)
-                                      and not being_written(entry.path))
+                                      and not is_locked(entry.path))
         else:
             self.blocks += 1
             self.bytes += entry.size
@@ -274,7 +275,7 @@ def _verify_block(name: str, ns: bytes, entry: Entry, summary: VerifySummary, re
 def _verify_temp(entry: Entry, summary: VerifySummary, repair: bool, now: float,
                  tmp_max_age_s: float) -> None:
     summary.temp_files += 1
-    if not stale_temp(entry.name, now - entry.mtime, tmp_max_age_s) or being_written(entry.path):
+    if not stale_temp(entry.name, now - entry.mtime, tmp_max_age_s) or is_locked(entry.path):
         return
     summary.stale_temp_files += 1
     if repair and remove_if_same(entry.path, entry.ident):
