@@ -121,6 +121,59 @@ def test_batches_are_split(server: RedisServer, raw: object) -> None:
     assert all(bytes(g) == payload(i).tobytes() for i, g in enumerate(got))  # type: ignore[arg-type]
 
 
+def test_reads_hold_one_batch_of_values_at_a_time(server: RedisServer, raw: object) -> None:
+    # max_batch_bytes bounds what a read holds too: 16 blocks of 1 MiB come
+    # back in pipelines of one block each, not all at once
+    import tracemalloc
+
+    size = 1 << 20
+    tier = make(server.url, max_batch_bytes=size)
+    keys = [block_key(500 + i) for i in range(16)]
+    assert tier.put([(k, payload(i, size)) for i, k in enumerate(keys)]) == [True] * 16
+    bufs = [np.zeros(size, np.uint8) for _ in keys]
+    tracemalloc.start()
+    try:
+        assert tier.get_into(keys, bufs) == [size] * 16
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 * size, f"one read held {peak >> 20} MiB"
+    assert all(np.array_equal(b, payload(i, size)) for i, b in enumerate(bufs))
+    tier.close()
+
+
+def test_a_server_answering_garbage_opens_the_breaker() -> None:
+    # another service on the port (or a proxy answering junk): its replies
+    # are no Redis protocol, a transport failure like a dropped connection
+    import socket
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def answer_junk() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            with conn:
+                try:
+                    while conn.recv(65536):
+                        conn.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n")
+                except OSError:
+                    pass
+
+    threading.Thread(target=answer_junk, daemon=True).start()
+    tier = make(f"redis://127.0.0.1:{port}/0", socket_timeout_s=1.0)
+    try:
+        for i in range(10):
+            assert tier.get([block_key(i)]) == [None]
+        assert not tier.available and tier.stats()["breaker_opens"] == 1
+    finally:
+        tier.close()
+        listener.close()
+
+
 def test_ttl_and_namespaces(server: RedisServer, raw: object) -> None:
     tier = make(server.url, ttl_s=30)
     tier.put([(block_key(1), payload(1))])

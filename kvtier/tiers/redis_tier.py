@@ -43,7 +43,7 @@ import inspect
 import logging
 import os
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 from urllib.parse import parse_qsl, unquote, urlsplit
 
@@ -51,6 +51,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import (
+    InvalidResponse,
     MaxConnectionsError,
     NoPermissionError,
     RedisClusterException,
@@ -95,6 +96,7 @@ _TRANSPORT_ERRORS: tuple[type[BaseException], ...] = (
     RedisTimeoutError,
     RedisClusterException,
     OSError,
+    InvalidResponse,  # not a Redis protocol reply: a proxy or another service on the port
 )
 T = TypeVar("T")
 _TIER = "redis tier"
@@ -348,8 +350,9 @@ class RedisTier(Tier):
         self, keys: list[bytes], dests: list[memoryview | None]
     ) -> list[tuple[int | None, memoryview | None]]:
         out: list[tuple[int | None, memoryview | None]] = []
-        for start in range(0, len(keys), self.max_batch_keys):
-            chunk = keys[start : start + self.max_batch_keys]
+        expected = [d.nbytes if d is not None else self.max_block_bytes or 0 for d in dests]
+        for start, end in self._batches(expected):
+            chunk = keys[start:end]
 
             def fetch(client: Any, chunk: list[bytes] = chunk) -> list[Any]:
                 return self._pipelined(client, chunk,
@@ -424,6 +427,21 @@ class RedisTier(Tier):
             self._warn.warning("kvtier redis tier %s: removed corrupt value of key %s: %s",
                            self.safe_url, key.hex(), reason)
 
+    def _batches(self, sizes: list[int]) -> Iterator[tuple[int, int]]:
+        """``(start, end)`` of consecutive pipelines over blocks of ``sizes``
+        payload bytes: at most ``max_batch_keys`` keys and ``max_batch_bytes``
+        bytes each (a larger block goes alone)."""
+        start = 0
+        while start < len(sizes):
+            end, size = start, 0
+            while end < len(sizes) and end - start < self.max_batch_keys and (
+                end == start or size + sizes[end] <= self.max_batch_bytes
+            ):
+                size += sizes[end]
+                end += 1
+            yield start, end
+            start = end
+
     # ------------------------------------------------------------------ writes
     def put(self, items: Sequence[tuple[bytes, BytesLike]]) -> list[bool]:
         """Store blocks (SET, or SET PX ``ttl_s``), one pipeline per batch."""
@@ -438,21 +456,13 @@ class RedisTier(Tier):
                     )
         out: list[bool] = []
         stored: list[bytes] = []
-        start = 0
-        while start < len(keys):
-            end, size = start, 0
-            while end < len(keys) and end - start < self.max_batch_keys and (
-                end == start or size + views[end].nbytes <= self.max_batch_bytes
-            ):
-                size += views[end].nbytes
-                end += 1
+        for start, end in self._batches([view.nbytes for view in views]):
             chunk = keys[start:end]
             results = self._set_batch(chunk, views[start:end])
             for key, ok in zip(chunk, results, strict=True):
                 out.append(ok)
                 if ok:
                     stored.append(key)
-            start = end
         ok_count = len(stored)
         self._counters.add("stores", ok_count)
         self._counters.add("dropped_stores", len(keys) - ok_count)
