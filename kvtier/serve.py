@@ -22,6 +22,7 @@ prints the equivalent ``vllm serve`` line in that form and exits.
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import os
 import shlex
@@ -68,16 +69,33 @@ class ServeError(ValueError):
 
 
 def default_cpu_bytes() -> int:
-    """A quarter of this machine's memory, at most 16 GiB."""
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return min(MAX_DEFAULT_CPU_BYTES, total // DEFAULT_CPU_FRACTION)
+    """A quarter of the memory this process may use (the machine's, or its
+    container's limit when lower), at most 16 GiB, and at most half of the
+    free space of the shared-memory file system the slot region lives in
+    (containers often keep it small; a note on stderr says so then)."""
+    from kvtier.host_memory import free_bytes, usable_bytes
+    from kvtier.slots.region import default_shm_dir
+
+    budget = min(MAX_DEFAULT_CPU_BYTES, usable_bytes() // DEFAULT_CPU_FRACTION)
+    shm = default_shm_dir()
+    try:
+        room = free_bytes(shm) // 2
+    except OSError:
+        return budget
+    if room < budget:
+        print(f"kvtier serve: {shm} has {2 * room >> 20} MiB free: the CPU tier gets "
+              f"{room >> 20} MiB (give the container more shared memory, e.g. docker "
+              "--shm-size, or set --cpu-bytes)", file=sys.stderr)
+        return room
+    return budget
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """kvtier's own ``serve`` flags; everything else is vLLM's."""
     p.add_argument("--cpu-bytes", type=byte_size, default=None, metavar="N",
                    help="CPU memory for offloaded KV blocks (bytes; K/M/G/T, Ki/Mi/Gi/Ti "
-                   "suffixes; default a quarter of this machine's memory, at most 16 GiB)")
+                   "suffixes; default a quarter of the memory this process may use, "
+                   "its container's limit included, at most 16 GiB)")
     p.add_argument("--policy", default=None, metavar="NAME",
                    help="eviction policy: default (adaptive), plfu, lru, arc, "
                         "or module.path:ClassName")
@@ -130,10 +148,29 @@ def extra_config(args: argparse.Namespace) -> dict[str, Any]:
         extra[key] = value
     extra.setdefault("cpu_bytes_to_use", default_cpu_bytes())
     try:
-        KVTierSettings.from_extra_config(extra)
+        settings = KVTierSettings.from_extra_config(extra)
     except ConfigError as exc:
         raise ServeError(f"kvtier configuration: {exc}") from None
+    check_tier_places(settings.disk_path, settings.redis_url)
     return extra
+
+
+def check_tier_places(disk_path: str | None, redis_url: str | None) -> None:
+    """What the tiers would refuse once the engine has started (and loaded its
+    weights), found now: a disk path that cannot become the tier's directory,
+    a Redis URL or option the client cannot use (no connection is made)."""
+    from kvtier.tiers.base import TierConfigError
+    from kvtier.tiers.disk_dir import check_tier_path
+
+    try:
+        if disk_path is not None:
+            check_tier_path(disk_path)
+        if redis_url is not None:
+            from kvtier.tiers.redis_tier import check_redis_url
+
+            check_redis_url(redis_url)
+    except TierConfigError as exc:
+        raise ServeError(f"kvtier configuration: {exc}") from None
 
 
 def without_secrets(extra: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
@@ -161,10 +198,32 @@ def without_secrets(extra: dict[str, Any]) -> tuple[dict[str, Any], dict[str, st
     return public, env
 
 
+def own_flags() -> list[str]:
+    """``kvtier serve``'s own option names."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_arguments(parser)
+    return [o for action in parser._actions for o in action.option_strings]
+
+
+def _misspelt_own_flag(flag: str, own: list[str]) -> str | None:
+    """The kvtier flag ``flag`` (an option passed on to vLLM) looks like a
+    misspelling of, if any: vLLM would refuse it only after its imports, or
+    take it for one of its own."""
+    if flag.startswith("--kvtier"):
+        return "--kvtier"
+    close = difflib.get_close_matches(flag, own, n=1, cutoff=0.85)
+    return close[0] if close else None
+
+
 def vllm_arguments(vllm_args: Sequence[str], public_extra: dict[str, Any]) -> list[str]:
     """``vllm serve`` arguments: the user's vLLM options, then kvtier's transfer config."""
+    own = own_flags()
     for arg in vllm_args:
         flag = _flag_name(arg) if arg.startswith("--") else ""
+        meant = _misspelt_own_flag(flag, own) if flag else None
+        if meant is not None:
+            raise ServeError(f"unknown option {arg.split('=', 1)[0]}: did you mean {meant}? "
+                             "(options kvtier serve does not know go to vllm serve)")
         if flag == _OWN_TRANSFER_FLAG:
             raise ServeError("kvtier serve builds --kv-transfer-config itself: give kvtier's "
                              "settings as flags or --kvtier KEY=VALUE instead")

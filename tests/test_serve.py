@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 import shlex
+from pathlib import Path
 
 import pytest
 
@@ -25,22 +26,43 @@ def printed(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[list[str], 
 
 
 def test_flags_become_the_transfer_config_and_vllm_options_pass_unchanged(
-        capsys: pytest.CaptureFixture[str]) -> None:
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    disk = str(tmp_path / "kv")
     argv, extra, _ = printed(capsys, "--cpu-bytes", "2GiB", "--policy", "lru",
-                             "--store-threshold", "2", "--disk-path", "/var/kv",
+                             "--store-threshold", "2", "--disk-path", disk,
                              "--disk-bytes", "10G", "--kvtier", "disk_store_threshold=2",
                              "--kvtier", "lease_timeout_s=30.5", *ENGINE, "--port", "8001")
     assert argv[:3] == ["vllm", "serve", "/models/m"]
     assert argv[3:9] == [*ENGINE, "--port", "8001"]
     assert extra == {"spec_name": "KVTierSpec", "spec_module_path": "kvtier.vllm",
                      "cpu_bytes_to_use": 2 << 30, "eviction_policy": "lru",
-                     "store_threshold": 2, "disk_path": "/var/kv", "disk_bytes": 10**10,
+                     "store_threshold": 2, "disk_path": disk, "disk_bytes": 10**10,
                      "disk_store_threshold": 2, "lease_timeout_s": 30.5}
 
 
 def test_default_cpu_bytes_is_bounded(capsys: pytest.CaptureFixture[str]) -> None:
     _, extra, _ = printed(capsys)
     assert 0 < extra["cpu_bytes_to_use"] <= 16 << 30
+
+
+def test_default_cpu_bytes_follow_the_containers_limits(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+        tmp_path: Path) -> None:
+    # a pod limited to 4 GiB on a large node, then one with a small /dev/shm
+    # (limits this machine does not have: the readings are replaced)
+    from kvtier import host_memory
+
+    (tmp_path / "memory.max").write_text("4294967296\n")
+    assert host_memory.cgroup_limit_bytes(tmp_path) == 4 << 30
+    (tmp_path / "memory.max").write_text("max\n")
+    assert host_memory.cgroup_limit_bytes(tmp_path) is None
+    monkeypatch.setattr(host_memory, "physical_bytes", lambda: 512 << 30)
+    monkeypatch.setattr(host_memory, "cgroup_limit_bytes", lambda: 4 << 30)
+    monkeypatch.setattr(host_memory, "free_bytes", lambda _: 64 << 30)
+    assert printed(capsys)[1]["cpu_bytes_to_use"] == 1 << 30
+    monkeypatch.setattr(host_memory, "free_bytes", lambda _: 64 << 20)
+    _, extra, err = printed(capsys)
+    assert extra["cpu_bytes_to_use"] == 32 << 20 and "--shm-size" in err
 
 
 def test_secrets_never_reach_the_command(capsys: pytest.CaptureFixture[str]) -> None:
@@ -71,6 +93,13 @@ def test_secrets_never_reach_the_command(capsys: pytest.CaptureFixture[str]) -> 
     (["--redis-url", "rediss://h:1/0?ssl_password=k3y"], "ssl_password would be on vLLM's"),
     (["--policy", "lru", "--kvtier", "eviction_policy=plfu"], "given twice"),
     (["--kv_offloading_backend=native"], "vLLM's own CPU offloading"),
+    (["--disk-path", "/dev/null/kv", "--disk-bytes", "1G"], "is not a directory"),
+    (["--redis-url", "redis://h:1/0?ssl_ca_cert=/x"], "ssl_ca_cert"),
+    (["--redis-url", "redis://h:99999/0"], "Port out of range"),
+    (["--redis-url", "redis://h:1/O"], "must be a number"),
+    (["--cpu-byte", "1GiB"], "did you mean --cpu-bytes?"),
+    (["--disk_pth=/x"], "unknown option --disk_pth: did you mean --disk-path?"),
+    (["--kvtier-policy", "lru"], "did you mean --kvtier?"),
 ])
 def test_bad_values_are_refused_before_the_engine_starts(
         capsys: pytest.CaptureFixture[str], args: list[str], named: str) -> None:
@@ -116,3 +145,16 @@ def test_readme_serve_examples_build_valid_commands(capsys: pytest.CaptureFixtur
         assert main([*args[1:], "--print-command"]) == 0, args
         out = capsys.readouterr().out
         assert re.match(r"vllm serve \S+", out)
+
+
+def test_no_vllm_option_is_taken_for_a_misspelt_kvtier_one() -> None:
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from kvtier.serve import _flag_name, _misspelt_own_flag, own_flags
+
+    parser = make_arg_parser(FlexibleArgumentParser())
+    vllm_flags = {o for a in parser._actions for o in a.option_strings if o.startswith("--")}
+    assert len(vllm_flags) > 100
+    own = own_flags()
+    assert [f for f in vllm_flags if _misspelt_own_flag(_flag_name(f), own)] == []

@@ -117,6 +117,22 @@ def _make_private_dirs(path: Path) -> None:
             os.mkdir(directory, 0o700)
 
 
+def check_tier_path(path: str | os.PathLike[str]) -> None:
+    """``TierConfigError`` when a disk tier could not make its directory at
+    ``path``: it exists and is no writable directory, or the nearest existing
+    directory above it is not writable. Changes nothing (a check before a
+    server starts)."""
+    target = Path(path)
+    probe = target
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        where = "exists" if probe == target else f"is under {probe}, which exists"
+        raise TierConfigError(f"disk_path {target} {where} and is not a directory")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise TierConfigError(f"disk_path {target}: {probe} is not writable by this user")
+
+
 class TierDirectory:
     """One namespace's directory tree of a disk tier: ``root`` and its subdirectories.
 

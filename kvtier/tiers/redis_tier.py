@@ -725,7 +725,19 @@ def _checked_url(url: object) -> tuple[str, str]:
         raise TierConfigError(f"redis_url {safe!r}: scheme must be one of {list(SCHEMES)}")
     if misplaced_at(url):
         raise TierConfigError(f"redis_url {safe!r}: {MISPLACED_AT_HINT}")
+    database = urlsplit(url).path.strip("/")
+    if not scheme.startswith("unix") and database and not database.isdigit():
+        # redis-py would use database 0 without a word
+        raise TierConfigError(f"redis_url {safe!r}: the database after the host must be a "
+                              f"number, got {database!r}")
     return safe, scheme
+
+
+def check_redis_url(url: str) -> None:
+    """``TierConfigError`` when a Redis tier could not be built on ``url``: as
+    :class:`RedisTier` reads it and its options, without connecting (a check
+    before a server starts)."""
+    RedisTier(url, "kvtier-url-check").close()
 
 
 def _options_with_password(url: str, client_options: Mapping[str, Any] | None,
