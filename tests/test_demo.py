@@ -103,6 +103,7 @@ def test_demo_options_default_to_the_workload() -> None:
     assert args.func is cmd_demo
     assert chat.workload(args) == Workload()
     assert args.model_dir is None and not args.json
+    assert build_parser().parse_args(["demo", "--cpu-bytes", "1GiB"]).cpu_bytes == 1 << 30
 
 
 def test_too_long_a_chat_is_rejected_before_starting(capsys: pytest.CaptureFixture[str]) -> None:
@@ -209,3 +210,25 @@ def test_tiered_demo_second_server_gets_its_first_prefixes_from_disk(
     assert report["summary"]["server1"]["disk"] == 0
     assert report["summary"]["answers_identical"] and report["summary"]["answers_compared"] == 2
     assert sum(r["disk"] + r["host"] + r["device"] for r in rest) > 0
+
+
+def test_a_model_directory_is_used_as_it_is_and_nothing_is_built_into_others(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from kvtier.demo.chat import _model
+
+    sharded = tmp_path / "sharded"  # a real model's layout the tiny one does not have
+    sharded.mkdir()
+    (sharded / "config.json").write_text("{}")
+    (sharded / "model-00001-of-00002.safetensors").write_bytes(b"")
+    assert _model(sharded, print) == sharded
+    assert sorted(p.name for p in sharded.iterdir()) == [
+        "config.json", "model-00001-of-00002.safetensors"]
+    other = tmp_path / "notes"
+    other.mkdir()
+    (other / "todo.txt").write_text("mine")
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("x")
+    for path, why in ((other, "holds no model"), (not_a_dir, "is not a directory")):
+        assert main(["demo", "--model-dir", str(path)]) == 2
+        assert why in capsys.readouterr().err
+    assert [p.name for p in other.iterdir()] == ["todo.txt"]

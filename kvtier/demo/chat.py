@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvtier.argtypes import positive_int
+from kvtier.argtypes import byte_size, positive_int
 from kvtier.demo import engine as E
 from kvtier.demo.tiny_model import (
     DEFAULT_MODEL_DIR_TEXT,
@@ -347,12 +347,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default = getattr(w, name)
         parser.add_argument(f"--{name.replace('_', '-')}", type=positive_int, default=default,
                             metavar="N", help=f"{help_text} (default {default})")
-    parser.add_argument("--cpu-bytes", type=positive_int, default=DEFAULT_CPU_BYTES, metavar="B",
-                        help=f"kvtier's CPU tier in bytes (default {DEFAULT_CPU_BYTES})")
+    parser.add_argument("--cpu-bytes", type=byte_size, default=DEFAULT_CPU_BYTES, metavar="B",
+                        help=f"kvtier's CPU tier in bytes, K/M/G and Ki/Mi/Gi suffixes as "
+                        f"for kvtier serve (default {DEFAULT_CPU_BYTES})")
     parser.add_argument("--model-dir", type=Path, default=None, metavar="DIR",
                         help=f"where the tiny model is built (default {DEFAULT_MODEL_DIR_TEXT}); "
-                        "a directory that already holds a model (config.json, "
-                        "model.safetensors, tokenizer.json, generation_config.json) is "
+                        "a directory that already holds a model (its config.json) is "
                         "used as it is")
     parser.add_argument("--json", action="store_true", help="one JSON object instead of a table")
     parser.add_argument("--disk", type=Path, default=None, metavar="DIR",
@@ -377,11 +377,8 @@ def run(args: argparse.Namespace) -> int:
     w = workload(args)
     w.check()
     _quiet_defaults()
-    model_dir = args.model_dir or default_model_dir()
     say = _progress(args.json)
-    if not is_built(model_dir):
-        say(f"building the tiny model in {model_dir} ...")
-    model = build_tiny_llama(model_dir)
+    model = _model(args.model_dir, say)
     if args.disk is not None:
         from kvtier.demo import tiered
 
@@ -395,6 +392,26 @@ def run(args: argparse.Namespace) -> int:
     summary = summarize(rows)
     _print_report(args, w, rows, summary, with_kv.stats, time.perf_counter() - started)
     return 0 if summary["outputs_verified"] else 1
+
+
+def _model(model_dir: Path | None, say: Any) -> Path:
+    """The model to serve: ``model_dir`` as it is when it holds a model (its
+    ``config.json``), else the tiny model, built there (or in the default
+    directory) when missing. ``DemoError`` for a directory that is neither
+    a model nor empty: the tiny model is never built into someone's files."""
+    target = model_dir or default_model_dir()
+    if model_dir is not None and (model_dir / "config.json").is_file():
+        return model_dir
+    if model_dir is not None and model_dir.exists():
+        if not model_dir.is_dir():
+            raise DemoError(f"--model-dir {model_dir} is not a directory")
+        if not is_built(model_dir) and any(model_dir.iterdir()):
+            raise DemoError(f"--model-dir {model_dir} holds no model (no config.json) and "
+                            "is not empty: give a model's directory, or a new or empty one "
+                            "for the tiny model")
+    if not is_built(target):
+        say(f"building the tiny model in {target} ...")
+    return build_tiny_llama(target)
 
 
 def _progress(quiet: bool) -> Any:
