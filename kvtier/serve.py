@@ -118,11 +118,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="print the equivalent 'vllm serve' command (no secret in it) and exit")
 
 
-def _setting_value(text: str) -> Any:
+def _text_settings() -> frozenset[str]:
+    """The settings whose values are text: ``--kvtier`` keeps theirs as given
+    (a salt or identity of digits only stays a str)."""
+    from dataclasses import fields
+
+    from kvtier.vllm.settings import KVTierSettings
+
+    return frozenset(f.name for f in fields(KVTierSettings)
+                     if str(f.type).replace(" ", "") in ("str", "str|None"))
+
+
+def _setting_value(key: str, text: str) -> Any:
+    """``--kvtier KEY=VALUE``'s value: JSON, else text; a text setting's value
+    is text unless given as a JSON string."""
     try:
-        return json.loads(text)
+        value = json.loads(text)
     except ValueError:
         return text
+    if key in _text_settings() and not isinstance(value, str):
+        return text
+    return value
 
 
 def extra_config(args: argparse.Namespace) -> dict[str, Any]:
@@ -136,7 +152,7 @@ def extra_config(args: argparse.Namespace) -> dict[str, Any]:
         key = key.strip()
         if not sep or not key:
             raise ServeError(f"--kvtier takes KEY=VALUE, got {option!r}")
-        extra[key] = _setting_value(value)
+        extra[key] = _setting_value(key, value)
     for dest, key in FLAG_KEYS.items():
         value = getattr(args, dest)
         if value is None:

@@ -158,3 +158,12 @@ def test_no_vllm_option_is_taken_for_a_misspelt_kvtier_one() -> None:
     assert len(vllm_flags) > 100
     own = own_flags()
     assert [f for f in vllm_flags if _misspelt_own_flag(_flag_name(f), own)] == []
+
+
+def test_text_settings_stay_text_through_kvtier(capsys: pytest.CaptureFixture[str]) -> None:
+    _, extra, err = printed(capsys, "--kvtier", "model_identity=20240601",
+                            "--kvtier", 'eviction_policy="lru"', "--kvtier", "store_threshold=2")
+    assert extra["model_identity"] == "20240601" and extra["eviction_policy"] == "lru"
+    assert extra["store_threshold"] == 2
+    _, extra, err = printed(capsys, "--kvtier", "tenant_salt=2024")
+    assert extra["tenant_salt"] == "env:KVTIER_TENANT_SALT" and "KVTIER_TENANT_SALT" in err

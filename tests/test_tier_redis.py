@@ -536,6 +536,13 @@ def test_bad_config_is_explained() -> None:
         assert "pw-hidden" not in str(exc)
     with pytest.raises(TierConfigError, match="namespace"):
         RedisTier("redis://127.0.0.1:1", "bad/ns")
+    for url, why in [("redis://:pw-hidden@[::1:6379/0", "cannot be parsed: Invalid IPv6"),
+                     ("redis://:pw-hidden@h:99999/0", "Port out of range"),
+                     ("redis://:pw-hidden@h:6379/O", "database after the host must be a number")]:
+        with pytest.raises(TierConfigError, match=why) as err:
+            RedisTier(url, NS)
+        assert "pw-hidden" not in str(err.value)
+    RedisTier("unix:///run/redis.sock?db=2", NS).close()  # a socket's path is no database
     with pytest.raises(TierConfigError, match="max_batch_keys"):
         RedisTier("redis://127.0.0.1:1", NS, max_batch_keys=0)
     with pytest.raises(TierConfigError, match="socket_timeout_s"):

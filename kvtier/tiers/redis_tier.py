@@ -719,6 +719,10 @@ def _checked_url(url: object) -> tuple[str, str]:
     it cannot name a Redis server."""
     if not isinstance(url, str) or not url:
         raise TierConfigError(f"redis_url must be a non-empty str, got {type(url).__name__}")
+    try:
+        urlsplit(url).port  # noqa: B018  (parses the host and port: raises on bad ones)
+    except ValueError as exc:  # the URL itself is not shown: it may hold a password
+        raise TierConfigError(f"redis_url cannot be parsed: {exc}") from None
     safe = redact_url(url)
     scheme = url.partition("://")[0].lower() if "://" in url else ""
     if scheme not in SCHEMES:
