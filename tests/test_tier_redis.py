@@ -536,7 +536,7 @@ def test_bad_config_is_explained() -> None:
         assert "pw-hidden" not in str(exc)
     with pytest.raises(TierConfigError, match="namespace"):
         RedisTier("redis://127.0.0.1:1", "bad/ns")
-    for url, why in [("redis://:pw-hidden@[::1:6379/0", "cannot be parsed: Invalid IPv6"),
+    for url, why in [("redis://[::1:6379/0", "cannot be parsed: Invalid IPv6"),
                      ("redis://:pw-hidden@h:99999/0", "Port out of range"),
                      ("redis://:pw-hidden@h:6379/O", "database after the host must be a number")]:
         with pytest.raises(TierConfigError, match=why) as err:

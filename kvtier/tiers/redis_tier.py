@@ -719,16 +719,18 @@ def _checked_url(url: object) -> tuple[str, str]:
     it cannot name a Redis server."""
     if not isinstance(url, str) or not url:
         raise TierConfigError(f"redis_url must be a non-empty str, got {type(url).__name__}")
-    try:
-        urlsplit(url).port  # noqa: B018  (parses the host and port: raises on bad ones)
-    except ValueError as exc:  # the URL itself is not shown: it may hold a password
-        raise TierConfigError(f"redis_url cannot be parsed: {exc}") from None
     safe = redact_url(url)
     scheme = url.partition("://")[0].lower() if "://" in url else ""
     if scheme not in SCHEMES:
         raise TierConfigError(f"redis_url {safe!r}: scheme must be one of {list(SCHEMES)}")
     if misplaced_at(url):
         raise TierConfigError(f"redis_url {safe!r}: {MISPLACED_AT_HINT}")
+    try:
+        urlsplit(url).port  # noqa: B018  (parses the host and port: raises on bad ones)
+    except ValueError as exc:
+        # neither the URL nor a port that quotes a piece of it: it may hold a password
+        reason = "Port is not a number" if "'" in str(exc) else str(exc)
+        raise TierConfigError(f"redis_url cannot be parsed: {reason}") from None
     database = urlsplit(url).path.strip("/")
     if not scheme.startswith("unix") and database and not database.isdigit():
         # redis-py would use database 0 without a word
