@@ -121,8 +121,9 @@ def _add_replay(commands: Any) -> None:
                    help="bytes per block for bytes_written (default: count blocks)")
     p.add_argument("--bounds", action="store_true",
                    help="add Belady OPT (per capacity) and infinite-cache rows")
-    p.add_argument("--plot", type=Path, default=None, metavar="OUT.png",
-                   help="plot hit ratio against capacity, one line per policy, OPT dashed")
+    p.add_argument("--plot", default=None, metavar="OUT.png",
+                   help="plot hit ratio against capacity, one line per policy, OPT dashed "
+                   "(any file type matplotlib writes; .png added without a suffix)")
     p.add_argument("--json", action="store_true", help="one JSON object per line")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--limit-requests", type=positive_int, default=None, metavar="M",
@@ -144,13 +145,14 @@ def _add_replay_driver_options(p: Any) -> None:
                    help="sequential: the README's one-at-a-time order (default); engine: "
                    "requests in flight together, late out-of-order completions, "
                    "allocation-failure retries, preemption re-offers")
-    p.add_argument("--concurrency", type=positive_int, default=4, metavar="N",
+    p.add_argument("--concurrency", type=positive_int, default=None, metavar="N",
                    help="engine driver: requests in flight (default 4)")
-    p.add_argument("--max-delay", type=int, default=2, metavar="STEPS",
+    p.add_argument("--max-delay", type=int, default=None, metavar="STEPS",
                    help="engine driver: steps a load or store may take (default 2)")
-    p.add_argument("--preempt", type=float, default=0.0, metavar="P",
+    p.add_argument("--preempt", type=float, default=None, metavar="P",
                    help="engine driver: probability a request is preempted (default 0)")
-    p.add_argument("--seed", type=int, default=0, help="engine driver: random seed")
+    p.add_argument("--seed", type=int, default=None,
+                   help="engine driver: random seed (default 0)")
 
 
 def _add_replay_disk_options(p: Any) -> None:
@@ -383,6 +385,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     """Run every policy x capacity x threshold over the trace and print the results."""
     check_policies(args.policy)
     _check_engine_options(args)
+    _check_plot(args)
     if args.disk_blocks is None:
         for option in ("--disk-store-threshold", "--disk-write-policy"):
             if getattr(args, option[2:].replace("-", "_")) is not None:
@@ -396,7 +399,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
         raise CommandError(f"--key-seed: {exc}") from None
     keys = trace_keys(trace)
     policies = [p for p in args.policy if p not in BOUNDS]
-    served = _check_gpu_blocks(args, trace) if args.gpu_blocks is not None else None
+    served = _check_gpu_blocks(args, trace, path) if args.gpu_blocks is not None else None
     if args.disk_blocks is not None:
         return _cmd_replay_tiered(args, path, keys, policies)
     bounds = [b for b in BOUNDS if b in args.policy or args.bounds]
@@ -436,11 +439,20 @@ def _cmd_replay_tiered(args: argparse.Namespace, path: Path, keys: list[list[byt
     """``kvtier replay --disk-blocks N``: each policy x capacity x threshold x disk
     threshold x disk write policy through CPU slots + a disk tier
     (``kvtier.replay.tiered``)."""
-    from kvtier.replay.tiered import replay_tiered
-
     if args.driver != "sequential" or args.bounds or args.plot is not None or not policies:
         raise CommandError("--disk-blocks runs the sequential driver over real policies "
                            "only (no --driver engine, --bounds, --plot, opt or infinite)")
+    from kvtier.server_process import sigterm_as_exit
+
+    with sigterm_as_exit():  # SIGTERM, as SIGINT does, removes the disk tier's directory
+        return _replay_tiered_grid(args, path, keys, policies)
+
+
+def _replay_tiered_grid(args: argparse.Namespace, path: Path, keys: list[list[bytes]],
+                        policies: list[str]) -> int:
+    """Print one row per combination of ``_cmd_replay_tiered``'s grid."""
+    from kvtier.replay.tiered import replay_tiered
+
     disk_thresholds = args.disk_store_threshold or [1]
     write_policies = args.disk_write_policy or ["store"]
     grid = list(itertools.product(policies, args.capacity, args.store_threshold,
@@ -499,40 +511,81 @@ def _bound_rows(args: argparse.Namespace, keys: list[list[bytes]], bounds: list[
 
 def _gpu_concurrency(args: argparse.Namespace) -> int:
     """Requests in flight behind the engine cache: ``--concurrency`` with ``--driver engine``."""
-    return int(args.concurrency) if args.driver == "engine" else 1
+    return _engine_config(args).concurrency if args.driver == "engine" else 1
 
 
-def _check_gpu_blocks(args: argparse.Namespace,
-                      trace: Sequence[TraceRequest]) -> list[ServedRequest]:
-    """The trace as the engine gets it; ``CommandError`` for options ``--gpu-blocks``
-    cannot run with, or a request longer than the engine cache."""
+def _check_gpu_blocks(args: argparse.Namespace, trace: Sequence[TraceRequest],
+                      path: Path) -> list[ServedRequest]:
+    """The trace (read from ``path``) as the engine gets it; ``CommandError`` for
+    options ``--gpu-blocks`` cannot run with, a request without an input length,
+    or one longer than the engine cache."""
     from kvtier.replay.behind_engine import check_fits, served_requests
+    from kvtier.replay.serving_trace import MissingLengthError, missing_length_message
 
     if args.disk_blocks is not None:
         raise CommandError("--gpu-blocks cannot be combined with --disk-blocks")
-    if args.preempt:
+    if args.preempt is not None:
         raise CommandError("--gpu-blocks does not take --preempt (the scheduler model of "
                            "--gpu-batch-tokens preempts as vLLM does)")
+    for option in ("--max-delay", "--seed"):
+        if getattr(args, option[2:].replace("-", "_")) is not None:
+            raise CommandError(f"--gpu-blocks does not take {option} (the engine cache "
+                               "model has no delays and no randomness)")
     if args.gpu_batch_tokens is not None and args.driver == "engine":
         raise CommandError("--gpu-batch-tokens sets the requests in flight itself "
                            "(no --driver engine / --concurrency)")
     try:
         served = served_requests(trace)
         check_fits(served, args.gpu_blocks)
+    except MissingLengthError as exc:
+        raise CommandError(missing_length_message("--gpu-blocks", path, exc)) from None
     except ValueError as exc:
         raise CommandError(f"--gpu-blocks {args.gpu_blocks}: {exc}") from None
     return served
 
 
+ENGINE_OPTIONS = ("--concurrency", "--max-delay", "--preempt", "--seed")
+"""The engine driver's options: None unless given, and given only with ``--driver engine``."""
+
+
 def _check_engine_options(args: argparse.Namespace) -> None:
-    """``CommandError`` for engine options out of range."""
-    if args.max_delay < 0:
+    """``CommandError`` for an engine option given without ``--driver engine``
+    (it would change nothing), or out of range."""
+    if args.driver != "engine":
+        for option in ENGINE_OPTIONS:
+            if getattr(args, option[2:].replace("-", "_")) is not None:
+                raise CommandError(f"{option} is an engine driver option: it needs "
+                                   "--driver engine")
+    if args.max_delay is not None and args.max_delay < 0:
         raise CommandError(f"--max-delay must be >= 0, got {args.max_delay}")
-    if not 0.0 <= args.preempt < 1.0:
+    if args.preempt is not None and not 0.0 <= args.preempt < 1.0:
         raise CommandError(f"--preempt must be in [0, 1), got {args.preempt}")
 
 
+def _engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The engine driver's settings: the options given, ``EngineConfig``'s defaults
+    for the others."""
+    given = {option[2:].replace("-", "_"): getattr(args, option[2:].replace("-", "_"))
+             for option in ENGINE_OPTIONS}
+    return EngineConfig(**{name: value for name, value in given.items() if value is not None})
+
+
+def _check_plot(args: argparse.Namespace) -> None:
+    """Check ``--plot`` before the run: ``args.plot`` becomes the file the plot
+    will be written to (``.png`` added without a suffix); ``CommandError`` when
+    it cannot be written (``kvtier.replay.plot.plot_path``)."""
+    if args.plot is None:
+        return
+    from kvtier.replay.plot import PlotError, plot_path
+
+    try:
+        args.plot = plot_path(args.plot)
+    except PlotError as exc:
+        raise CommandError(str(exc)) from None
+
+
 def _plot(results: list[ReplayResult], out: Path, trace: Path) -> None:
+    """Plot ``results`` to ``out`` (checked by ``_check_plot``) and say so."""
     from kvtier.replay.plot import PlotError, plot_results
 
     gpu = getattr(results[0], "gpu_blocks", 0) if results else 0
@@ -562,9 +615,8 @@ def _run_one(args: argparse.Namespace, keys: list[list[bytes]], policy: str,
                                         block_bytes=args.block_bytes,
                                         progress=progress.update)
         if args.driver == "engine":
-            config = EngineConfig(concurrency=args.concurrency, max_delay=args.max_delay,
-                                  preempt=args.preempt, seed=args.seed)
-            return replay_engine(keys, capacity, policy, config, store_threshold=threshold,
+            return replay_engine(keys, capacity, policy, _engine_config(args),
+                                 store_threshold=threshold,
                                  max_tracker_size=args.max_tracker_size,
                                  block_bytes=args.block_bytes, progress=progress.update)
         return replay(keys, capacity, policy, store_threshold=threshold,

@@ -180,3 +180,95 @@ def test_python_m_kvtier_bad_policy(trace: Path) -> None:
     proc = _python_m("replay", str(trace), "--capacity", "4", "--policy", "mru")
     assert proc.returncode == 2
     assert "kvtier: error: unknown eviction policy 'mru'" in proc.stderr
+
+
+# -- options that need something else --------------------------------------------------
+
+
+def test_gpu_blocks_needs_input_lengths(capsys: pytest.CaptureFixture[str],
+                                        tmp_path: Path) -> None:
+    # a trace without input_length: behind the engine it used to be served as
+    # one-token prompts, every ratio 0.0000 with status 0
+    path = tmp_path / "nolen.jsonl"
+    path.write_text("".join(json.dumps({"hash_ids": json.loads(line)["hash_ids"]}) + "\n"
+                            for line in LINES), encoding="utf-8")
+    message = (f"kvtier: error: --gpu-blocks needs each request's input_length (its prompt "
+               f"tokens); {path} line 1 has hash_ids but no input_length (absent or 0)")
+    for argv in (["replay", str(path), "--capacity", "10", "--policy", "lru"],
+                 ["foresight", str(path), "--capacity", "4", "--windows", "2"]):
+        code, out, err = _run(capsys, *argv, "--gpu-blocks", "50", "--no-progress")
+        assert (code, out, err.strip()) == (2, "", message)
+    # the replay that counts blocks only reads absent lengths as 0, as the README says
+    code, out, _ = _run(capsys, "replay", str(path), "--capacity", "10", "--policy", "lru",
+                        "--json")
+    assert code == 0 and json.loads(out)["hit_blocks"] == 4
+
+
+@pytest.mark.parametrize(("option", "value"), [
+    ("--concurrency", "16"), ("--max-delay", "1"), ("--preempt", "0.5"), ("--seed", "3"),
+])
+def test_engine_options_need_the_engine_driver(capsys: pytest.CaptureFixture[str],
+                                               trace: Path, option: str, value: str) -> None:
+    # they used to be ignored: the sequential driver ran, its JSON said so
+    code, out, err = _run(capsys, "replay", str(trace), "--capacity", "4", "--policy", "lru",
+                          "--json", option, value)
+    assert (code, out) == (2, "")
+    assert err.strip() == f"kvtier: error: {option} is an engine driver option: it needs " \
+                          "--driver engine"
+    code, _, err = _run(capsys, "replay", str(trace), "--capacity", "4", "--policy", "lru",
+                        "--json", "--driver", "sequential", option, value)
+    assert code == 2 and f"{option} is an engine driver option" in err
+
+
+@pytest.mark.parametrize("option", ["--max-delay", "--seed"])
+def test_gpu_blocks_rejects_engine_options_it_ignores(capsys: pytest.CaptureFixture[str],
+                                                      trace: Path, option: str) -> None:
+    code, _, err = _run(capsys, "replay", str(trace), "--capacity", "4", "--policy", "lru",
+                        "--gpu-blocks", "12", "--driver", "engine", option, "1")
+    assert code == 2 and f"--gpu-blocks does not take {option}" in err
+
+
+def test_engine_driver_defaults(capsys: pytest.CaptureFixture[str], trace: Path) -> None:
+    code, out, _ = _run(capsys, "replay", str(trace), "--capacity", "6", "--policy", "lru",
+                        "--driver", "engine", "--json")
+    row = json.loads(out)
+    assert code == 0 and (row["driver"], row["concurrency"]) == ("engine", 4)
+    code, out, _ = _run(capsys, "replay", str(trace), "--capacity", "6", "--policy", "lru",
+                        "--gpu-blocks", "12", "--driver", "engine", "--json")
+    assert code == 0 and json.loads(out)["concurrency"] == 4
+
+
+# -- SIGTERM -----------------------------------------------------------------------------
+
+
+def sigterm_leaves_no_temp_dir(argv: list[str], prefix: str, tmp_path: Path) -> None:
+    """Run ``python -m kvtier ARGV`` with its temporary files in ``tmp_path``,
+    send SIGTERM once its ``PREFIX*`` directory exists, and check that the
+    command exits with 128 + SIGTERM having removed it (as SIGINT does)."""
+    import signal
+    import time
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(tmp_path)}
+    proc = subprocess.Popen([sys.executable, "-m", "kvtier", *argv], env=env, cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not list(tmp_path.glob(prefix + "*")):
+            assert proc.poll() is None, proc.communicate()[1]
+            assert time.monotonic() < deadline, "no temporary directory after 60 s"
+            time.sleep(0.05)
+        time.sleep(0.3)  # into the run
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_sigterm_removes_the_disk_tier_of_a_tiered_replay(tmp_path: Path) -> None:
+    sigterm_leaves_no_temp_dir(["replay", "--capacity", "100", "--disk-blocks", "1000",
+                                "--policy", "lru", "--no-progress"], "kvtier-tiered-",
+                               tmp_path)

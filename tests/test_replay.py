@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -180,3 +181,52 @@ def test_missing_and_directory_paths(tmp_path: Path) -> None:
         load_trace(tmp_path / "absent.jsonl")
     with pytest.raises(IsADirectoryError, match="directory"):
         load_trace(tmp_path)
+
+
+# -- token lengths, for the views that need them --------------------------------------
+
+
+def test_served_trace_needs_input_lengths_and_names_the_line(tmp_path: Path) -> None:
+    from kvtier.replay.behind_engine import served_requests
+    from kvtier.replay.serving_trace import (
+        MissingLengthError,
+        missing_length_message,
+        scaled,
+    )
+
+    lines = ['{"input_length": 1024, "hash_ids": [1, 2]}', "",
+             '{"hash_ids": [1, 2, 3]}', '{"input_length": 0, "hash_ids": [4]}']
+    path = _write(tmp_path, lines)
+    trace = load_trace(path)
+    # the replays that count blocks only read absent lengths as 0
+    assert [r.input_length for r in trace] == [1024, 0, 0]
+    with pytest.raises(MissingLengthError) as exc:
+        served_requests(trace)
+    # not one token per request (the old max(1, 0)): the second request, line 3
+    assert exc.value.index == 1
+    assert missing_length_message("--gpu-blocks", path, exc.value) == (
+        f"--gpu-blocks needs each request's input_length (its prompt tokens); {path} "
+        "line 3 has hash_ids but no input_length (absent or 0)")
+    with pytest.raises(MissingLengthError):
+        list(scaled([TraceRequest(0, 0, 5, (9,))]))
+    # no hash ids and no length: the request is empty, not unsized
+    assert [r.input_length for r in scaled([TraceRequest(0, 0, 5, ())])] == [1]
+
+
+def test_scaled_trace_file_names_the_line_without_a_length(tmp_path: Path) -> None:
+    # the serving benchmark's trace: a prompt of one token per request before
+    from kvtier.replay.serving_trace import MissingLengthError, write_scaled
+
+    path = _write(tmp_path, ['{"input_length": 600, "hash_ids": [1, 2]}', "",
+                             '{"output_length": 3, "hash_ids": [1, 2, 3]}'])
+    with pytest.raises(MissingLengthError, match=rf"^{re.escape(str(path))} line 3 has "
+                       r"hash_ids but no input_length \(absent or 0\)$"):
+        write_scaled(path, tmp_path / "scaled.jsonl", requests=None)
+    assert write_scaled(path, tmp_path / "one.jsonl", requests=1) == 1
+
+
+def test_request_line_counts_blank_lines(tmp_path: Path) -> None:
+    from kvtier.replay.trace import request_line
+
+    path = _write(tmp_path, ['{"hash_ids": [1]}', "", "  ", '{"hash_ids": [2]}'])
+    assert [request_line(path, i) for i in range(3)] == [1, 4, 0]

@@ -202,3 +202,12 @@ def test_kvtier_soak_command_rejects_bad_settings(capsys: pytest.CaptureFixture[
 
     assert main(["soak", "--requests", "10", "--kinds", "nope", "--no-progress"]) == 2
     assert "unknown workload" in capsys.readouterr().err
+
+
+def test_sigterm_removes_the_soak_directory(tmp_path: Path) -> None:
+    # SIGINT always cleaned up; SIGTERM left /tmp/kvtier-soak-* and its disk tier
+    from test_cli import sigterm_leaves_no_temp_dir
+
+    sigterm_leaves_no_temp_dir(["soak", "--requests", "1000000", "--cpu-blocks", "64",
+                                "--disk-blocks", "128", "--no-redis", "--kinds", "chat",
+                                "--no-progress", "--json"], "kvtier-soak-", tmp_path)

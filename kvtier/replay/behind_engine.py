@@ -130,7 +130,8 @@ def served_requests(trace: Iterable[TraceRequest], block_tokens: int = ENGINE_BL
     then expands the hash ids into at most ``input_length`` tokens, one block
     each (so no more than ``block_tokens * len(hash_ids)``). Keys are the
     full blocks' (``trace_keys``; equal hash ids share one key object).
-    ``ValueError`` for a request without prompt tokens.
+    ``ValueError`` for a request without prompt tokens: no hash ids, or
+    ``serving_trace.MissingLengthError`` for hash ids without an input length.
     """
     requests = list(scaled(trace, block_tokens, output_cap))
     out = []

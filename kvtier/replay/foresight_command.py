@@ -41,10 +41,14 @@ def add_foresight_parser(commands: Any) -> None:
 def cmd_foresight(args: argparse.Namespace) -> int:
     """Run the three rankings and LRU; print the table (or JSON)."""
     from kvtier.replay.foresight import asked_streams, readings, rows, run, table
+    from kvtier.replay.serving_trace import MissingLengthError, missing_length_message
 
-    loaded = load_requests(args.trace or BUNDLED_TRACE)[: args.limit_requests]
+    path = args.trace or BUNDLED_TRACE
+    loaded = load_requests(path)[: args.limit_requests]
     try:
         requests = asked_streams(loaded, args.gpu_blocks or 0)
+    except MissingLengthError as exc:  # how many tokens its blocks hold is unknown
+        raise CommandError(missing_length_message("--gpu-blocks", path, exc)) from None
     except ValueError as exc:  # the engine cannot hold the longest request
         raise CommandError(str(exc)) from None
     results = run(requests, args.capacity, args.windows, not args.no_progress)

@@ -17,16 +17,53 @@ from dataclasses import replace
 from pathlib import Path
 
 from kvtier.replay.generate import generate, write_trace
-from kvtier.replay.trace import BUNDLED_TRACE, MOONCAKE_BLOCK_TOKENS, TraceRequest, iter_trace
+from kvtier.replay.trace import (
+    BUNDLED_TRACE,
+    MOONCAKE_BLOCK_TOKENS,
+    TraceRequest,
+    iter_trace,
+    request_line,
+)
 
 DEFAULT_OUTPUT_CAP = 8
+
+
+class MissingLengthError(ValueError):
+    """A request has ``hash_ids`` but no ``input_length`` (absent or 0): how many
+    tokens its blocks hold is unknown, so it cannot be served as the engine
+    serves it. ``index`` is the request's position in the trace (from 0);
+    ``where`` names it in the message (default ``request INDEX``)."""
+
+    def __init__(self, index: int, where: str = "") -> None:
+        super().__init__(f"{where or f'request {index}'} has hash_ids but no "
+                         "input_length (absent or 0)")
+        self.index = index
+
+
+def located(exc: MissingLengthError, path: Path) -> MissingLengthError:
+    """``exc`` naming the line of the trace at ``path`` its request is on."""
+    try:
+        where = f"{path} line {request_line(path, exc.index)}"
+    except OSError:
+        where = f"request {exc.index + 1} of {path}"
+    return MissingLengthError(exc.index, where)
+
+
+def missing_length_message(option: str, path: Path, exc: MissingLengthError) -> str:
+    """The usage error for ``exc``: ``option`` needs token lengths, and where
+    in the trace at ``path`` the request without one is."""
+    return (f"{option} needs each request's input_length (its prompt tokens); "
+            f"{located(exc, path)}")
 
 
 def scaled(requests: Iterable[TraceRequest], tokens_per_block: int = 32,
            output_cap: int = DEFAULT_OUTPUT_CAP,
            limit: int | None = None) -> Iterator[TraceRequest]:
     """``requests`` with one Mooncake block mapped to one engine block of
-    ``tokens_per_block`` tokens (module doc); the first ``limit`` only."""
+    ``tokens_per_block`` tokens (module doc); the first ``limit`` only.
+
+    ``MissingLengthError`` for a request with hash ids but no input length
+    (its prompt would otherwise become one token)."""
     if tokens_per_block < 1 or MOONCAKE_BLOCK_TOKENS % tokens_per_block:
         raise ValueError(f"tokens_per_block must divide {MOONCAKE_BLOCK_TOKENS}, "
                          f"got {tokens_per_block}")
@@ -36,15 +73,22 @@ def scaled(requests: Iterable[TraceRequest], tokens_per_block: int = 32,
     for i, request in enumerate(requests):
         if limit is not None and i >= limit:
             return
+        if request.hash_ids and request.input_length < 1:
+            raise MissingLengthError(i)
         yield replace(request, input_length=max(1, request.input_length // factor),
                       output_length=max(1, min(output_cap, request.output_length)))
 
 
 def write_scaled(source: Path | None, out: Path, *, requests: int | None,
                  tokens_per_block: int = 32, output_cap: int = DEFAULT_OUTPUT_CAP) -> int:
-    """Write the scaled ``source`` trace (default: the bundled one) to ``out``."""
-    src = iter_trace(source or BUNDLED_TRACE)
-    return write_trace(scaled(src, tokens_per_block, output_cap, requests), out)
+    """Write the scaled ``source`` trace (default: the bundled one) to ``out``;
+    ``MissingLengthError`` naming the line of a request without an input length."""
+    path = source or BUNDLED_TRACE
+    try:
+        return write_trace(scaled(iter_trace(path), tokens_per_block, output_cap, requests),
+                           out)
+    except MissingLengthError as exc:
+        raise located(exc, path) from None
 
 
 def write_generated(kind: str, seed: int, out: Path, *, requests: int,

@@ -45,8 +45,9 @@ def add_soak_parser(commands: Any) -> None:
                    help="seed of the generated traffic mix (default 0)")
     p.add_argument("--json", action="store_true",
                    help="one JSON object per sample, then the summary")
-    p.add_argument("--plot", type=Path, default=None, metavar="OUT.png",
-                   help="RSS and structure fill against requests")
+    p.add_argument("--plot", default=None, metavar="OUT.png",
+                   help="RSS and structure fill against requests (any file type matplotlib "
+                   "writes; .png added without a suffix)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_soak)
 
@@ -54,6 +55,7 @@ def add_soak_parser(commands: Any) -> None:
 def cmd_soak(args: argparse.Namespace) -> int:
     """Run the soak; print samples and the summary; 1 on a bound violation."""
     from kvtier.replay.soak import Sample, SoakConfig, run_soak
+    from kvtier.server_process import sigterm_as_exit
 
     kinds = tuple(k.strip() for k in args.kinds.split(",") if k.strip())
     every = args.sample_every or max(1, args.requests // 100)
@@ -65,6 +67,7 @@ def cmd_soak(args: argparse.Namespace) -> int:
         config.check()
     except ValueError as exc:
         raise CommandError(str(exc)) from None
+    plot = _plot_path(args.plot)
     progress = make_progress(args.requests, not args.no_progress, unit="req")
     if not args.json:
         progress.write("  ".join(["requests", "seconds", "RSS MiB", *SHOWN]))
@@ -79,7 +82,8 @@ def cmd_soak(args: argparse.Namespace) -> int:
             progress.write("  ".join(cells))
 
     try:
-        result = run_soak(config, on_sample=show, progress=progress.update)
+        with sigterm_as_exit():  # SIGTERM, as SIGINT does, removes the soak's directory
+            result = run_soak(config, on_sample=show, progress=progress.update)
     except FileNotFoundError as exc:  # no redis-server
         raise CommandError(f"{exc} (or run with --no-redis)") from None
     finally:
@@ -87,19 +91,32 @@ def cmd_soak(args: argparse.Namespace) -> int:
     summary = result.summary()
     print(json.dumps({"summary": summary, "bounds": result.bounds}) if args.json
           else _summary_text(summary))
-    if args.plot is not None:
+    if plot is not None:
         from kvtier.replay.plot import PlotError
         from kvtier.replay.soak_plot import plot_soak
 
         try:
-            plot_soak(result.samples, result.bounds, args.plot,
+            plot_soak(result.samples, result.bounds, plot,
                       title=f"kvtier soak: {args.requests:,} requests, {args.policy}, "
                       f"{args.cpu_blocks:,} CPU + {args.disk_blocks:,} disk blocks"
                       + ("" if args.no_redis else " + Redis"))
         except PlotError as exc:
             raise CommandError(str(exc)) from None
-        print(f"{PROG}: wrote plot {args.plot}")
+        print(f"{PROG}: wrote plot {plot}")
     return 1 if summary["violations"] else 0
+
+
+def _plot_path(text: str | None) -> Path | None:
+    """The file ``--plot TEXT`` will write, checked before the run
+    (``kvtier.replay.plot.plot_path``); ``CommandError`` when it cannot be."""
+    if text is None:
+        return None
+    from kvtier.replay.plot import PlotError, plot_path
+
+    try:
+        return plot_path(text)
+    except PlotError as exc:
+        raise CommandError(str(exc)) from None
 
 
 def _summary_text(summary: dict[str, Any]) -> str:

@@ -96,6 +96,20 @@ def iter_trace(path: str | Path) -> Iterator[TraceRequest]:
                 yield parse_line(_decode(raw, f"{path}:{lineno}"), f"{path}:{lineno}")
 
 
+def request_line(path: str | Path, index: int) -> int:
+    """The line number (from 1) of request ``index`` (from 0) of the trace at
+    ``path``, counting the blank lines ``iter_trace`` skips; 0 when the file
+    holds fewer requests."""
+    seen = 0
+    with Path(path).open("rb") as fh:
+        for lineno, raw in enumerate(fh, 1):
+            if raw.strip():
+                if seen == index:
+                    return lineno
+                seen += 1
+    return 0
+
+
 def _decode(raw: bytes, where: str) -> str:
     """Decode one raw line as UTF-8; ``where`` prefixes the error."""
     try:
