@@ -108,3 +108,15 @@ def test_the_context_length_fits_the_longest_request(tmp_path: Path) -> None:
     assert argv[argv.index("--max-model-len") + 1] == "11968"
     with pytest.raises(ValueError, match=r"too\.jsonl.*16008 tokens.*500 blocks"):
         fit_model_len(s, {"bundled": _scaled_trace(tmp_path / "too.jsonl", [16_000])})
+
+
+@pytest.mark.parametrize("command", ["serve", "faults"])
+@pytest.mark.parametrize("speedup", ["nan", "inf", "-inf", "0", "-2", "fast"])
+def test_the_speedup_must_be_a_finite_number_above_zero(
+        command: str, speedup: str, capsys: pytest.CaptureFixture[str]) -> None:
+    parser = build_parser()
+    assert parser.parse_args(["bench", command, "--speedup", "2.5"]).speedup == 2.5
+    with pytest.raises(SystemExit) as exit_:
+        parser.parse_args(["bench", command, "--speedup", speedup])
+    assert exit_.value.code == 2
+    assert "--speedup: " in capsys.readouterr().err

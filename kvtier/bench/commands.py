@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
 
 from kvtier.argtypes import positive_int
 from kvtier.bench import serving
+from kvtier.bench.outfiles import write_atomic
 from kvtier.demo.tiny_model import DEFAULT_MODEL_DIR_TEXT
 from kvtier.errors import CommandError
 from kvtier.progress import make_progress
-from kvtier.server_process import sigterm_as_exit
+from kvtier.replay.trace import TraceFormatError
+from kvtier.server_process import ServerError, sigterm_as_exit
 
 
 def _split(text: str) -> tuple[str, ...]:
@@ -44,6 +47,32 @@ def _configs(text: str) -> tuple[str, ...]:
 
 def _sizes(text: str) -> tuple[int, ...]:
     return tuple(dict.fromkeys(positive_int(n) for n in _split(text)))
+
+
+def _speedup(text: str) -> float:
+    """Parse a finite number > 0 (an argparse ``type``): a NaN speedup would
+    compare false with everything, an infinite one pace every request at 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not _is_speedup(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
+    return value
+
+
+def _is_speedup(value: float) -> bool:
+    return math.isfinite(value) and value > 0
+
+
+def _failure(exc: BaseException) -> str:
+    """One line for a user's mistake: ``exc``'s message (an ``OSError``'s file
+    and reason), its first line only."""
+    if isinstance(exc, OSError) and exc.strerror:
+        text = f"{exc.filename}: {exc.strerror}" if exc.filename else exc.strerror
+    else:
+        text = str(exc) or type(exc).__name__
+    return text.splitlines()[0].rstrip(":")
 
 
 def _plain(doc: str | None, paragraph: int) -> str | None:
@@ -84,13 +113,15 @@ def add_bench_parser(commands: Any) -> None:
     p.add_argument("--repeats", type=positive_int, default=3, metavar="N",
                    help="runs of each configuration in each scenario; the summary takes "
                    "their medians (default %(default)s)")
-    p.add_argument("--speedup", type=float, default=25.0, metavar="X",
+    p.add_argument("--speedup", type=_speedup, default=25.0, metavar="X",
                    help="paced regime: arrivals X times faster than the trace (default 25)")
     p.add_argument("--concurrency", type=positive_int, default=16, metavar="N",
                    help="saturating regime: requests in flight (default 16)")
     p.add_argument("--trace", type=Path, default=None, metavar="TRACE",
                    help="Mooncake trace for 'bundled' traffic (default the bundled one)")
-    p.add_argument("--resume", action="store_true", help="keep the runs of OUT/runs.jsonl")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the runs of OUT/runs.jsonl (made with the same settings); "
+                   "without it they are moved aside to runs.jsonl.N")
     p.add_argument("--summarize", action="store_true",
                    help="only summarize OUT/runs.jsonl (no new runs)")
     p.set_defaults(func=cmd_bench_serve)
@@ -113,37 +144,59 @@ def _add_faults(sub: Any) -> None:
                    metavar="F[,F...]", help=f"default {','.join(faults.FAULTS)}")
     p.add_argument("--requests", type=positive_int, default=800, metavar="N",
                    help="requests per run: the bundled trace's first N (default %(default)s)")
-    p.add_argument("--speedup", type=float, default=10.0, metavar="X",
+    p.add_argument("--speedup", type=_speedup, default=10.0, metavar="X",
                    help="arrivals X times faster than the trace (default 10)")
     p.set_defaults(func=cmd_bench_faults)
 
 
 def cmd_bench_faults(args: argparse.Namespace) -> int:
-    """The reference run, then every fault; faults.txt and faults.jsonl in OUT."""
+    """The reference run, then every fault; faults.txt and faults.jsonl in OUT
+    (an earlier faults.jsonl moved aside to faults.jsonl.N)."""
     from kvtier.bench import faults
     from kvtier.demo.tiny_model import build_tiny_llama, default_model_dir
 
-    if args.speedup <= 0:
-        raise CommandError(f"--speedup must be > 0, got {args.speedup}")
+    if not _is_speedup(args.speedup):
+        raise CommandError(f"--speedup must be a finite number > 0, got {args.speedup}")
     s = faults.FaultSettings(model=build_tiny_llama(args.model_dir or default_model_dir()),
                              out=args.out, faults=args.faults, requests=args.requests,
                              speedup=args.speedup)
-    s.out.mkdir(parents=True, exist_ok=True)
-    (s.out / "faults.jsonl").unlink(missing_ok=True)
-    with sigterm_as_exit():
-        results = faults.run_all(s, say=lambda m: print(m, file=sys.stderr, flush=True))
+    _check_out(s.out)
+    try:
+        trace = faults.prepare(s, say=_stderr)
+    except (OSError, ValueError) as exc:
+        raise CommandError(_failure(exc)) from None
+    try:
+        with sigterm_as_exit():
+            results = faults.run_faults(s, trace, say=_stderr)
+    except ServerError as exc:
+        raise CommandError(f"{_failure(exc)} (server logs in {s.out / 'logs'}; the runs so "
+                           f"far are in {s.out / faults.RESULTS_FILE})") from None
     lines = faults.table(results)
-    (s.out / "faults.txt").write_text("\n".join(lines) + "\n")
+    write_atomic(s.out / "faults.txt", "\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
 
 
-def settings_from(args: argparse.Namespace) -> serving.BenchSettings:
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def _check_out(out: Path) -> None:
+    """``CommandError`` when ``--out`` names something that is not a directory."""
+    if out.exists() and not out.is_dir():
+        raise CommandError(f"--out {out}: not a directory")
+
+
+def settings_from(args: argparse.Namespace, build_model: bool = True) -> serving.BenchSettings:
+    """The benchmark's settings from the command line; the tiny model built
+    unless ``build_model`` is false. ``ValueError`` for a bad ``--speedup``."""
     from kvtier.demo.tiny_model import build_tiny_llama, default_model_dir
 
-    if args.speedup <= 0:
-        raise ValueError(f"--speedup must be > 0, got {args.speedup}")
-    model = build_tiny_llama(args.model_dir or default_model_dir())
+    if not _is_speedup(args.speedup):
+        raise ValueError(f"--speedup must be a finite number > 0, got {args.speedup}")
+    model = args.model_dir or default_model_dir()
+    if build_model:
+        model = build_tiny_llama(model)
     return serving.BenchSettings(
         model=model, out=args.out, configs=args.configs, traffic=args.traffic,
         regimes=args.regimes, cpu_blocks=args.cpu_blocks, gpu_blocks=args.gpu_blocks,
@@ -153,34 +206,69 @@ def settings_from(args: argparse.Namespace) -> serving.BenchSettings:
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
     """Run (or resume) the plan, then write summary.json, summary.txt and plot.png."""
-    from dataclasses import asdict
-
-
     try:
-        s = settings_from(args)
+        s = settings_from(args, build_model=not args.summarize)
     except ValueError as exc:
         raise CommandError(str(exc)) from None
-    steps = len(serving.plan(s))
-    if args.summarize:
-        results = serving.load_runs(s.out / "runs.jsonl")
-    else:
-        progress = make_progress(steps, True, unit="run")
-
-        def report(line: str) -> None:
-            progress.write(line)
-            progress.update(1)
-
-        try:
-            with sigterm_as_exit():
-                results = serving.run_all(s, resume=args.resume, progress=report)
-        finally:
-            progress.close()
+    results = _stored_runs(s) if args.summarize else _run(s, args.resume)
     rows = serving.summarize(results, s)
-    lines = list(serving.table(rows))
-    (s.out / "summary.txt").write_text("\n".join(lines) + "\n")
-    (s.out / "summary.json").write_text(json.dumps([asdict(r) for r in rows], indent=1))
-    serving.plot(rows, s.out / "plot.png")
-    print("\n".join(lines))
+    if not rows:
+        raise CommandError(
+            f"none of the {len(results)} runs of {s.out / serving.RUNS_FILE} is of the "
+            "configurations, traffic, regimes and CPU-tier sizes asked for (--configs, "
+            "--traffic, --regimes, --cpu-blocks)")
+    _write_summary(rows, s.out)
     print(f"\nkvtier bench serve: {len(results)} runs; {s.out}/summary.txt, summary.json, "
           "plot.png", file=sys.stderr)
     return 0
+
+
+def _stored_runs(s: serving.BenchSettings) -> list[serving.RunResult]:
+    """``--summarize``: the runs of OUT/runs.jsonl; ``CommandError`` when there are none."""
+    runs_file = s.out / serving.RUNS_FILE
+    if not s.out.is_dir():
+        raise CommandError(f"no runs to summarize: no directory {s.out} (--out)")
+    try:
+        results = serving.load_runs(runs_file)
+    except (OSError, ValueError) as exc:
+        raise CommandError(_failure(exc)) from None
+    if not results:
+        raise CommandError(f"no runs to summarize in {runs_file}")
+    return results
+
+
+def _run(s: serving.BenchSettings, resume: bool) -> list[serving.RunResult]:
+    """Check the inputs and OUT (``serving.prepare``), then run what is left."""
+    _check_out(s.out)
+    try:
+        prepared = serving.prepare(s, resume=resume, say=_stderr)
+    except TraceFormatError as exc:
+        raise CommandError(f"malformed trace: {exc}") from None
+    except (OSError, ValueError) as exc:
+        raise CommandError(_failure(exc)) from None
+    progress = make_progress(len(serving.plan(prepared.settings)), True, unit="run")
+
+    def report(line: str) -> None:
+        progress.write(line)
+        progress.update(1)
+
+    try:
+        with sigterm_as_exit():
+            return serving.run_plan(prepared, progress=report)
+    except ServerError as exc:
+        raise CommandError(f"{_failure(exc)} (the runs so far are in "
+                           f"{s.out / serving.RUNS_FILE}: --resume continues)") from None
+    finally:
+        progress.close()
+
+
+def _write_summary(rows: list[serving.Row], out: Path) -> None:
+    """summary.txt, summary.json and plot.png in ``out``, each written whole;
+    the table on stdout."""
+    from dataclasses import asdict
+
+    lines = list(serving.table(rows))
+    write_atomic(out / "summary.txt", "\n".join(lines) + "\n")
+    write_atomic(out / "summary.json", json.dumps([asdict(r) for r in rows], indent=1))
+    serving.plot(rows, out / "plot.png")
+    print("\n".join(lines))

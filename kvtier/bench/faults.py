@@ -39,6 +39,8 @@ from pathlib import Path
 from typing import Any
 
 from kvtier import prom
+from kvtier.atomic_files import atomic_path
+from kvtier.bench.outfiles import move_aside
 from kvtier.bench.serving import (
     BLOCK_TOKENS,
     SERVER_ENV,
@@ -59,6 +61,8 @@ TIMEOUT_BOUND_S = DEFAULT_PROBE_TIMEOUT_S + DEFAULT_PROMOTION_TIMEOUT_S
 unanswered for ``probe_timeout_s`` turns into "not there", and a promotion
 unfinished after ``promotion_timeout_s`` into a miss (the block is computed)."""
 PROBE_PROMPT_TOKENS = 300
+RESULTS_FILE = "faults.jsonl"
+"""In ``out``: one line per run; an earlier one is moved aside (``faults.jsonl.N``)."""
 TMPFS_BYTES = 96 << 20
 
 
@@ -304,15 +308,30 @@ def _result(fault: str, client: dict[str, Any], samples: prom.Samples, answer: s
 # -- all runs ------------------------------------------------------------------------
 
 
-def run_all(s: FaultSettings, say: Any = print) -> list[FaultResult]:
-    """The reference run first, then each fault; the probe compared across runs."""
+def prepare(s: FaultSettings, say: Any = print) -> Path:
+    """Write the scaled trace into ``s.out`` (whole or not at all), then move an
+    earlier ``RESULTS_FILE`` aside (``say`` where); the trace's path."""
     from kvtier.replay import serving_trace
 
     work = s.out
-    for sub in ("logs", "results"):
-        (work / sub).mkdir(parents=True, exist_ok=True)
+    work.mkdir(parents=True, exist_ok=True)
     trace = work / "trace.jsonl"
-    serving_trace.write_scaled(None, trace, requests=s.requests, tokens_per_block=BLOCK_TOKENS)
+    with atomic_path(trace) as staged:
+        serving_trace.write_scaled(None, staged, requests=s.requests,
+                                   tokens_per_block=BLOCK_TOKENS)
+    moved = move_aside(work / RESULTS_FILE)
+    if moved is not None:
+        say(f"kvtier bench faults: the earlier results of {work / RESULTS_FILE} are now "
+            f"in {moved}")
+    for sub in ("logs", "results"):
+        (work / sub).mkdir(exist_ok=True)
+    return trace
+
+
+def run_faults(s: FaultSettings, trace: Path, say: Any = print) -> list[FaultResult]:
+    """The reference run first, then each fault, over ``trace`` (``prepare``),
+    each result appended to ``RESULTS_FILE``; the probe compared across runs."""
+    work = s.out
     faults = ["none", *(f for f in s.faults if f != "none")]
     results: list[FaultResult] = []
     for fault in faults:
@@ -321,9 +340,14 @@ def run_all(s: FaultSettings, say: Any = print) -> list[FaultResult]:
         if results and not r.skipped:
             r.probe_same = r.probe_same and r.probe_answer == results[0].probe_answer
         results.append(r)
-        with (work / "faults.jsonl").open("a") as f:
+        with (work / RESULTS_FILE).open("a") as f:
             f.write(json.dumps(asdict(r)) + "\n")
     return results
+
+
+def run_all(s: FaultSettings, say: Any = print) -> list[FaultResult]:
+    """``prepare``, then ``run_faults``."""
+    return run_faults(s, prepare(s, say), say)
 
 
 HEADER = ("fault", "done", "failed", "p99 TTFT", "/clean", "max-clean p99", "kvtier tok",

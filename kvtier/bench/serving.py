@@ -14,13 +14,19 @@ Per run: the client's completed/failed counts, request throughput, TTFT mean,
 p50, p99 and max; from the server's ``/metrics``: prompt tokens by source
 (``vllm:prompt_tokens_cached_by_source``) and the CPU-tier hit ratio
 ``vllm:external_prefix_cache_hits / _queries``. Runs are appended to
-``OUT/runs.jsonl`` as they finish (``--resume`` skips the ones there);
-the summary holds medians over repeats and ratios against no offloading and
-against vLLM's manager, as a table, JSON and one plot.
+``OUT/runs.jsonl`` as they finish, the settings that shape every run
+(``--requests``, ``--trace``, ``--speedup``...) in ``OUT/settings.json``.
+``--resume`` skips the runs there, and refuses to mix them with runs of other
+settings; without it, earlier runs are moved aside (``runs.jsonl.1``...), never
+emptied. The traces are checked (readable, not empty, every request fitting
+the engine's cache) before any result file is touched. The summary holds
+medians over repeats and ratios against no offloading and against vLLM's
+manager, as a table, JSON and one plot.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import statistics
@@ -33,9 +39,11 @@ from pathlib import Path
 from typing import Any
 
 from kvtier import prom
+from kvtier.bench.outfiles import atomic_output, move_aside, write_atomic
 from kvtier.launch import vllm_command
 from kvtier.policies import POLICIES, policy_class
-from kvtier.server_process import ServerProcess
+from kvtier.replay.trace import BUNDLED_TRACE, TraceFormatError
+from kvtier.server_process import ServerError, ServerProcess
 
 BLOCK_TOKENS = 32
 CONFIGS = ("none", "vllm-lru", "lru", "default", "default+disk")
@@ -52,6 +60,17 @@ GENERATED_KIND = "chat"
 MAX_MODEL_LEN = 8192
 """The servers' context length, unless a trace needs more (``fit_model_len``):
 the longest scaled prompt of the bundled trace is 7,699 tokens (+ output)."""
+RUNS_FILE = "runs.jsonl"
+SETTINGS_FILE = "settings.json"
+"""Beside ``RUNS_FILE``: the settings its runs were made with (``run_settings``)."""
+RUN_SETTINGS = {
+    "model": "--model-dir", "trace": "--trace", "requests": "--requests",
+    "speedup": "--speedup", "gpu_blocks": "--gpu-blocks", "concurrency": "--concurrency",
+    "seed": "seed", "disk_blocks": "disk_blocks", "output_cap": "output_cap",
+    "max_model_len": "context length (fitted to the traces)",
+}
+"""The settings that change a run's figures but not its key (``RunResult.key``),
+each with how a message names it; ``run_settings`` adds the traces' digests."""
 
 
 @dataclass(frozen=True)
@@ -251,7 +270,12 @@ def run_one(s: BenchSettings, config: str, scenario: Scenario, repeat: int,
                                work / "logs" / f"{name}.server.log", env=server_env(),
                                ready_timeout_s=s.ready_timeout_s)
         start = time.monotonic()
-        server.start()
+        try:
+            server.start()
+        except ServerError as exc:
+            reason = str(exc).splitlines()[0].rstrip(":") if str(exc) else "no reason given"
+            raise ServerError(f"the {config} server of {scenario.label} r{repeat} did not "
+                              f"start: {reason}; see {server.log_path}") from exc
         try:
             env = {**os.environ, "PYTHONHASHSEED": "0"}  # the client seeds prompts by hash()
             with open(work / "logs" / f"{name}.client.log", "wb") as log:
@@ -315,21 +339,44 @@ def plan(s: BenchSettings) -> list[tuple[int, Scenario, str]]:
     return out
 
 
+def traffic_source(s: BenchSettings, kind: str) -> str:
+    """Where ``kind`` traffic comes from, as messages name it."""
+    if kind == "bundled":
+        return f"the trace {s.trace or BUNDLED_TRACE}"
+    return f"generated {GENERATED_KIND} traffic (seed {s.seed})"
+
+
 def prepare_traces(s: BenchSettings, work: Path) -> dict[str, Path]:
-    """The scaled traces, written once into ``work``."""
+    """The scaled traces, written once into ``work``.
+
+    ``OSError`` when a trace cannot be read, ``TraceFormatError`` naming the
+    line of a malformed one, ``ValueError`` naming the trace when it has no
+    requests or one that cannot be scaled.
+    """
     from kvtier.replay import serving_trace
 
     paths = {}
     for kind in s.traffic:
         path = work / f"trace-{kind}.jsonl"
-        if kind == "bundled":
-            serving_trace.write_scaled(s.trace, path, requests=s.requests,
-                                 tokens_per_block=BLOCK_TOKENS, output_cap=s.output_cap)
-        elif kind == "generated":
-            serving_trace.write_generated(GENERATED_KIND, s.seed, path, requests=s.requests,
-                                    tokens_per_block=BLOCK_TOKENS, output_cap=s.output_cap)
-        else:
-            raise ValueError(f"unknown traffic {kind!r} (choose from {TRAFFIC})")
+        try:
+            if kind == "bundled":
+                count = serving_trace.write_scaled(
+                    s.trace, path, requests=s.requests, tokens_per_block=BLOCK_TOKENS,
+                    output_cap=s.output_cap)
+            elif kind == "generated":
+                count = serving_trace.write_generated(
+                    GENERATED_KIND, s.seed, path, requests=s.requests,
+                    tokens_per_block=BLOCK_TOKENS, output_cap=s.output_cap)
+            else:
+                raise ValueError(f"unknown traffic {kind!r} (choose from {TRAFFIC})")
+        except TraceFormatError:
+            raise  # its message names the file and line
+        except ValueError as exc:
+            if kind == "bundled" and str(s.trace or BUNDLED_TRACE) in str(exc):
+                raise  # it names the trace
+            raise ValueError(f"{traffic_source(s, kind)}: {exc}") from exc
+        if count == 0:
+            raise ValueError(f"{traffic_source(s, kind)}: the trace has no requests")
         paths[kind] = path
     return paths
 
@@ -344,45 +391,153 @@ def fit_model_len(s: BenchSettings, traces: dict[str, Path]) -> int:
     from kvtier.replay import serving_trace
 
     fit = MAX_MODEL_LEN
-    for path in traces.values():
+    for kind, path in traces.items():
         longest = serving_trace.longest_request(path)
         whole = -(-longest // BLOCK_TOKENS) * BLOCK_TOKENS
         if whole > s.gpu_blocks * BLOCK_TOKENS:
             raise ValueError(
-                f"{path}: a request of {longest} tokens does not fit the engine's cache of "
-                f"{s.gpu_blocks} blocks of {BLOCK_TOKENS} tokens; raise --gpu-blocks "
-                f"or use fewer --requests")
+                f"{traffic_source(s, kind)} (scaled: {path.name}): a request of {longest} "
+                f"tokens does not fit the engine's cache of {s.gpu_blocks} blocks of "
+                f"{BLOCK_TOKENS} tokens; raise --gpu-blocks or use fewer --requests")
         fit = max(fit, whole)
     return fit
 
 
 def load_runs(path: Path) -> list[RunResult]:
+    """The runs of ``path`` ([] when there is no such file); ``ValueError``
+    naming the line that is not a run."""
     if not path.is_file():
         return []
-    return [RunResult(**json.loads(line)) for line in path.read_text().splitlines() if line]
+    runs = []
+    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            runs.append(RunResult(**json.loads(line)))
+        except (ValueError, TypeError) as exc:
+            raise ValueError(
+                f"{path}:{lineno}: not a run of kvtier bench serve ({exc})") from None
+    return runs
 
 
-def run_all(s: BenchSettings, resume: bool = False,
-            progress: Callable[[str], None] | None = None) -> list[RunResult]:
-    """Every run of the plan (those of ``runs.jsonl`` kept with ``resume``)."""
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def run_settings(s: BenchSettings, traces: dict[str, Path]) -> dict[str, Any]:
+    """What ``SETTINGS_FILE`` holds: ``RUN_SETTINGS`` of ``s`` (paths absolute)
+    and the SHA-256 of each scaled trace (``traces``), as JSON values."""
+    values = {name: getattr(s, name) for name in RUN_SETTINGS}
+    values["model"] = str(s.model.resolve())
+    values["trace"] = str(s.trace.resolve()) if s.trace else "bundled"
+    values["traces"] = {kind: _digest(path) for kind, path in sorted(traces.items())}
+    loaded: dict[str, Any] = json.loads(json.dumps(values))
+    return loaded
+
+
+def settings_difference(old: dict[str, Any], new: dict[str, Any]) -> str | None:
+    """The first setting in which ``new`` differs from ``old`` (both
+    ``run_settings``), as a message; None when they agree (traces of a traffic
+    only one of them has are not compared: traffic is part of a run's key)."""
+    for name, label in RUN_SETTINGS.items():
+        if old.get(name) != new.get(name):
+            return f"made with {label} {old.get(name)}, this command has {new.get(name)}"
+    old_traces, new_traces = old.get("traces") or {}, new.get("traces") or {}
+    for kind in sorted(old_traces.keys() & new_traces.keys()):
+        if old_traces[kind] != new_traces[kind]:
+            return (f"made on another {kind} trace (its scaled requests differ from this "
+                    "command's)")
+    return None
+
+
+def resumed_runs(work: Path, settings: dict[str, Any]) -> dict[tuple[Any, ...], RunResult]:
+    """The runs of ``work/runs.jsonl`` by key, when made with ``settings``;
+    ``ValueError`` when they were not, or when which settings is unknown."""
+    runs_file, settings_file = work / RUNS_FILE, work / SETTINGS_FILE
+    runs = load_runs(runs_file)
+    if not runs:
+        return {}
+    afresh = "leave out --resume to start afresh (the earlier runs are then moved aside)"
+    if not settings_file.is_file():
+        raise ValueError(f"--resume: {runs_file} has no {SETTINGS_FILE} beside it (made by "
+                         f"an older kvtier), so its runs' settings are unknown; {afresh}")
+    try:
+        stored = json.loads(settings_file.read_text())
+    except ValueError as exc:
+        raise ValueError(f"--resume: {settings_file} is not JSON ({exc}); {afresh}") from None
+    difference = settings_difference(stored if isinstance(stored, dict) else {}, settings)
+    if difference:
+        raise ValueError(f"--resume: the runs in {runs_file} were {difference}; give the "
+                         f"same settings, or {afresh}")
+    return {r.key: r for r in runs}
+
+
+def start_afresh(work: Path, settings: dict[str, Any],
+                 say: Callable[[str], None] | None = None) -> None:
+    """Move earlier runs (and their settings) aside, ``say`` where, and write
+    ``settings`` as the new runs' ``SETTINGS_FILE``."""
+    moved = move_aside(work / RUNS_FILE, work / SETTINGS_FILE)
+    if moved is not None and say is not None:
+        aside = work / f"{SETTINGS_FILE}{moved.suffix}"
+        kept = f", their settings in {aside}" if aside.is_file() else ""
+        say(f"kvtier bench serve: the earlier runs of {work / RUNS_FILE} are now in "
+            f"{moved}{kept}")
+    write_atomic(work / SETTINGS_FILE, json.dumps(settings, indent=1) + "\n")
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A checked plan, ready to run (``prepare``)."""
+
+    settings: BenchSettings
+    """The command's settings, ``max_model_len`` fitted to the traces."""
+    traces: dict[str, Path]
+    done: dict[tuple[Any, ...], RunResult]
+    """The runs resumed, by key."""
+
+
+def prepare(s: BenchSettings, resume: bool = False,
+            say: Callable[[str], None] | None = None) -> Prepared:
+    """Check the inputs, then set up ``s.out`` for the runs.
+
+    The traces are scaled in a temporary directory and checked (``prepare_traces``,
+    ``fit_model_len``), and with ``resume`` the runs there must have been made
+    with these settings (``resumed_runs``): until all of that passed, nothing
+    in ``s.out`` changes (its errors: ``OSError``, ``ValueError``). Then the
+    traces move into ``s.out`` and, unless runs are resumed, earlier ones are
+    moved aside (``start_afresh``).
+    """
     work = s.out
-    (work / "logs").mkdir(parents=True, exist_ok=True)
-    (work / "results").mkdir(parents=True, exist_ok=True)
-    runs_file = work / "runs.jsonl"
-    done = {r.key: r for r in load_runs(runs_file)} if resume else {}
-    if not resume:
-        runs_file.write_text("")
-    traces = prepare_traces(s, work)
-    s = replace(s, max_model_len=fit_model_len(s, traces))
+    work.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".traces-", dir=work) as staging:
+        staged = prepare_traces(s, Path(staging))
+        s = replace(s, max_model_len=fit_model_len(s, staged))
+        settings = run_settings(s, staged)
+        done = resumed_runs(work, settings) if resume else {}
+        traces = {}
+        for kind, path in staged.items():
+            traces[kind] = work / path.name
+            os.replace(path, traces[kind])
+    if not done:
+        start_afresh(work, settings, say)
+    for sub in ("logs", "results"):
+        (work / sub).mkdir(exist_ok=True)
+    return Prepared(s, traces, done)
+
+
+def run_plan(p: Prepared, progress: Callable[[str], None] | None = None) -> list[RunResult]:
+    """Every run of the plan of ``p`` not done yet, each appended to ``runs.jsonl``
+    as it ends; all of the plan's runs, in plan order."""
+    s, work = p.settings, p.settings.out
     results = []
     steps = plan(s)
     for i, (repeat, scenario, config) in enumerate(steps, 1):
         key = (config, scenario.traffic, scenario.regime, scenario.cpu_blocks, repeat)
-        if key in done:
-            results.append(done[key])
+        if key in p.done:
+            results.append(p.done[key])
             continue
-        result = run_one(s, config, scenario, repeat, traces[scenario.traffic], work)
-        with runs_file.open("a") as f:
+        result = run_one(s, config, scenario, repeat, p.traces[scenario.traffic], work)
+        with (work / RUNS_FILE).open("a") as f:
             f.write(json.dumps(asdict(result)) + "\n")
         results.append(result)
         if progress is not None:
@@ -391,6 +546,14 @@ def run_all(s: BenchSettings, resume: bool = False,
                      f"{result.throughput:6.2f} req/s  TTFT {result.ttft_mean_ms:8.1f} ms  "
                      f"hit {result.hit_ratio:.4f}  ({result.seconds:.0f} s)")
     return results
+
+
+def run_all(s: BenchSettings, resume: bool = False,
+            progress: Callable[[str], None] | None = None,
+            say: Callable[[str], None] | None = None) -> list[RunResult]:
+    """Every run of the plan (those of ``runs.jsonl`` kept with ``resume``):
+    ``prepare``, then ``run_plan``."""
+    return run_plan(prepare(s, resume, say), progress)
 
 
 # -- the summary -----------------------------------------------------------------
@@ -537,5 +700,8 @@ def plot(rows: Sequence[Row], out: Path) -> None:
             ax.set_title(f"{title}: {traffic}, {regime}")
         ax_row[0].legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    try:
+        with atomic_output(out) as f:
+            fig.savefig(f, format="png", dpi=110)
+    finally:
+        plt.close(fig)
