@@ -645,3 +645,22 @@ def test_a_second_engine_with_the_same_id_refuses_to_share_its_region() -> None:
     finally:
         first.shutdown()  # type: ignore[attr-defined]
     worker_of().shutdown()  # type: ignore[attr-defined]  # the name is free again
+
+
+def test_the_region_reaper_carries_no_secret(monkeypatch: pytest.MonkeyPatch,
+                                             tmp_path: Path) -> None:
+    # the reaper outlives the engine, whose environment holds the Redis
+    # password and the tenant salt that kvtier serve passes to it
+    from kvtier.slots.region import SlotRegion
+
+    monkeypatch.setenv("KVTIER_REDIS_PASSWORD", ADMIN_PW)
+    monkeypatch.setenv("KVTIER_TENANT_SALT", SALT)
+    region = SlotRegion.create("reaper-env", 2, 4096, shm_dir=tmp_path, reaper=True,
+                               populate=False)
+    try:
+        assert region._reaper is not None
+        environ = Path(f"/proc/{region._reaper.pid}/environ").read_bytes()
+    finally:
+        region.close()
+    assert ADMIN_PW.encode() not in environ and SALT.encode() not in environ
+    assert b"PATH=" in environ

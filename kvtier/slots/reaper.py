@@ -39,6 +39,13 @@ reaper removes ``$1`` only at end of file with no line read (the creator
 ended without closing the region) and while ``$1`` is still the file of
 device and inode ``$2``."""
 
+
+def _reaper_env() -> dict[str, str]:
+    """The reaper's whole environment: it outlives the engine, and the engine's
+    environment may hold secrets (the Redis password, the tenant salt), which
+    ``/proc/PID/environ`` would keep showing."""
+    return {"PATH": os.environ.get("PATH") or "/usr/bin:/bin", "LC_ALL": "C"}
+
 _CLOSED = b"closed\n"
 """What a normal close writes to the pipe: the reaper then removes nothing."""
 
@@ -55,7 +62,8 @@ class RegionReaper:
         try:
             starter = subprocess.run(
                 ["sh", "-c", _SCRIPT, "kvtier-region-reaper", str(path), identity],
-                stdin=read_end, capture_output=True, timeout=10, check=True)
+                stdin=read_end, capture_output=True, timeout=10, check=True,
+                env=_reaper_env())
             self.pid = int(starter.stdout.split()[0])
         except BaseException:
             os.close(write_end)
