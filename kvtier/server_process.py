@@ -11,6 +11,7 @@ whatever still runs after ``stop_timeout_s`` is killed.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import signal
 import subprocess
@@ -40,6 +41,22 @@ def sigterm_as_exit() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _terminate_with_parent() -> None:
+    """In the child, before it runs the server: SIGTERM when the thread that
+    started it ends (Linux ``PR_SET_PDEATHSIG``), so that a killed benchmark,
+    demo or test (SIGKILL, the OOM killer, a CI timeout) leaves no server
+    running in its own session. Best effort: nothing where ``prctl`` is
+    missing. (The server's own processes are its to stop on SIGTERM.)"""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
 
 
 def session_pids(session: int) -> list[int]:
@@ -132,7 +149,8 @@ class ServerProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT,
-                                         env=self.env, start_new_session=True)
+                                         env=self.env, start_new_session=True,
+                                         preexec_fn=_terminate_with_parent)
         try:
             self._wait_ready(self.proc)
         except BaseException:

@@ -110,3 +110,32 @@ def test_redis_server_password_is_quoted_and_never_shown() -> None:
         made = Path(srv._dir)
     assert not made.exists()  # removed by close
     assert password not in RedisServer(password=password).log_tail()
+
+
+PARENT = ("import sys, time\n"
+          "from kvtier.server_process import ServerProcess\n"
+          "srv = ServerProcess([sys.executable, '-c', sys.argv[1], sys.argv[2]],\n"
+          "                    int(sys.argv[2]), sys.argv[3])\n"
+          "srv.start()\n"
+          "print(srv.proc.pid, flush=True)\n"
+          "time.sleep(600)\n")
+
+
+def test_a_server_does_not_outlive_a_killed_parent(tmp_path: Path) -> None:
+    # SIGKILL (the OOM killer, a CI timeout) runs no finally block: the server,
+    # in its own session, must still stop with the process that started it
+    import signal
+    import subprocess
+
+    port = free_port()
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, HEALTHY, str(port),
+                               str(tmp_path / "log")], stdout=subprocess.PIPE, text=True)
+    assert parent.stdout is not None
+    server = int(parent.stdout.readline())
+    assert not gone(server)
+    parent.send_signal(signal.SIGKILL)
+    parent.wait(timeout=10)
+    deadline = time.monotonic() + 10
+    while not gone(server) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert gone(server), "the server outlived the process that started it"

@@ -381,8 +381,10 @@ def run(args: argparse.Namespace) -> int:
     model = _model(args.model_dir, say)
     if args.disk is not None:
         from kvtier.demo import tiered
+        from kvtier.server_process import sigterm_as_exit
 
-        return tiered.run_from_args(args, model, w, say)
+        with sigterm_as_exit():  # SIGTERM, as SIGINT does, stops the demo's servers
+            return tiered.run_from_args(args, model, w, say)
     started = time.perf_counter()
     say("running the chat workload with kvtier ...")
     with_kv = run_engine(model, w, args.cpu_bytes)
