@@ -189,3 +189,67 @@ def test_cpu_thread_binding_splits_this_process_cpus() -> None:
             cpu_thread_binding(bad)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="CPUs"):
         cpu_thread_binding(len(cpus) + 1)
+
+
+# ---------------------------------------------------------------- block events
+
+def evented(tmp_path: Path, blocks: int = 3) -> RankedTier:
+    """Ranks of ``blocks`` shards each (room for 3 blocks), events on."""
+    from kvtier.tiers.disk_dir import allocated
+
+    tiers = [DiskTier(tmp_path / "disk", KVLayout("m", "bfloat16", 16, 2, 2, 64, tp_rank=r,
+                                                   tp_size=RANKS).namespace(),
+                      blocks * allocated(SIZE + 256), free_reserve_bytes=0,
+                      enable_events=True, rescan_interval_s=None, lookups="inline")
+             for r in range(RANKS)]
+    return RankedTier(tiers, enable_events=True)
+
+
+def block(i: int) -> ShardedSlot:
+    return ShardedSlot([shard(i, r) for r in range(RANKS)])
+
+
+def refcounts(tier: RankedTier) -> dict[bytes, int]:
+    """What a consumer counting stored / removed announcements believes."""
+    refs: dict[bytes, int] = {}
+    for event in tier.take_events():
+        step = {"stored": 1, "removed": -1, "corrupt": -1}.get(event.kind, 0)
+        for key in event.keys:
+            refs[key] = refs.get(key, 0) + step
+    return refs
+
+
+def test_a_block_evicted_by_every_rank_is_reported_once(tmp_path: Path) -> None:
+    tier = evented(tmp_path)
+    for i in range(4):
+        assert tier.put([(block_key(i), block(i))]) == [True]
+    refs = refcounts(tier)
+    assert refs[block_key(0)] == 0 and all(refs[block_key(i)] == 1 for i in (1, 2, 3))
+    assert tier.stats()["evictions"] == 1 and tier.stats()["stores"] == 4
+
+
+def test_a_block_made_whole_again_is_reported_stored(tmp_path: Path) -> None:
+    # rank 1's shard goes bad: the block is a miss and gone as a whole; the
+    # cascade writes it again, rank 0's old shard being gone with it
+    tier = evented(tmp_path)
+    assert tier.put([(block_key(0), block(0))]) == [True]
+    path = Path(tier.ranks[1].dir.file(block_key(0)))  # type: ignore[attr-defined]
+    raw = bytearray(path.read_bytes())
+    raw[-1] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    buf = ShardedSlot([np.zeros(SIZE, np.uint8) for _ in range(RANKS)])
+    assert tier.get_into([block_key(0)], [buf]) == [None]
+    assert [t.stats()["blocks"] for t in tier.ranks] == [0, 0]  # no orphan shard
+    assert tier.put([(block_key(0), block(0))]) == [True]
+    assert tier.get_into([block_key(0)], [buf]) == [RANKS * SIZE]
+    assert refcounts(tier) == {block_key(0): 1}
+
+
+def test_a_shard_missing_on_a_later_rank_takes_the_earlier_ones(tmp_path: Path) -> None:
+    tier = evented(tmp_path)
+    assert tier.put([(block_key(0), block(0))]) == [True]
+    tier.ranks[1].delete([block_key(0)])  # e.g. kvtier disk verify --repair
+    buf = ShardedSlot([np.zeros(SIZE, np.uint8) for _ in range(RANKS)])
+    assert tier.get_into([block_key(0)], [buf]) == [None]
+    assert [t.stats()["blocks"] for t in tier.ranks] == [0, 0]
+    assert refcounts(tier) == {block_key(0): 0}

@@ -15,13 +15,14 @@ the scheduler, the block is the set of those shards:
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 from kvtier.slots.region import SlotRegion
-from kvtier.tiers.base import Counters, Tier, TierConfigError, TierEvent
+from kvtier.tiers.base import Counters, Tier, TierConfigError, TierEvent, TierEventLog
 from kvtier.tiers.blockfile import BytesLike
 
 
@@ -74,13 +75,19 @@ class RankedTier(Tier):
 
     Owns block counters (``BLOCK_COUNTERS``, counted here once per block:
     ranks are asked in turn and the later ones not after a miss, so the sum
-    of the ranks' own counts would count a hit once per rank and a miss once).
+    of the ranks' own counts would count a hit once per rank and a miss once),
+    and the block events (a bounded ``TierEventLog``): ``stored`` once a block
+    is whole, ``removed`` (or ``corrupt``) once when its first shard leaves,
+    which takes the other ranks' shards with it (no orphan shards; each rank
+    would otherwise report the same eviction). A block that a read finds on
+    some ranks only loses those shards too.
     """
 
     BLOCK_COUNTERS = ("hits", "misses", "stores", "dropped_stores")
     """``stats()`` entries that count blocks, whatever the number of ranks."""
 
-    def __init__(self, tiers: Sequence[Tier]) -> None:
+    def __init__(self, tiers: Sequence[Tier], enable_events: bool = False,
+                 max_events: int = 10_000) -> None:
         self.ranks = list(tiers)
         if not self.ranks:
             raise TierConfigError("RankedTier needs one tier per rank, got none")
@@ -88,6 +95,8 @@ class RankedTier(Tier):
         self.namespace = self.ranks[0].namespace
         self.remote = any(t.remote for t in self.ranks)
         self._blocks = Counters()
+        self._events = TierEventLog(self.name, enable_events, max_events)
+        self._events_lock = threading.Lock()
 
     def _parts(self, buffers: Sequence[Any], rank: int) -> list[BytesLike]:
         n = len(self.ranks)
@@ -126,9 +135,12 @@ class RankedTier(Tier):
                 prev = total[i]
                 whole = prev is not None and n is not None and n == memoryview(parts[i]).nbytes
                 total[i] = prev + n if whole and prev is not None and n is not None else None
+                if total[i] is None and rank:  # earlier ranks' shards of a block that is no more
+                    self._drop_shards(keys[i], rank)
         found = sum(t is not None for t in total)
         self._blocks.add("hits", found)
         self._blocks.add("misses", len(total) - found)
+        self._settle_events()  # a bad shard found here takes its block's others now
         return total
 
     def get(self, keys: Sequence[bytes]) -> list[memoryview | None]:
@@ -144,6 +156,7 @@ class RankedTier(Tier):
         """Store every rank's shard; a block some rank dropped is removed from
         the ranks that stored it (no orphan shards taking room)."""
         keys = [k for k, _ in items]
+        self._settle_events()  # what left before is gone before these are stored
         stored_by = [tier.put(list(zip(keys, self._parts([p for _, p in items], rank),
                                        strict=True)))
                      for rank, tier in enumerate(self.ranks)]
@@ -154,32 +167,73 @@ class RankedTier(Tier):
                 tier.delete(orphans)
         self._blocks.add("stores", sum(ok))
         self._blocks.add("dropped_stores", len(ok) - sum(ok))
+        self._settle_events()  # the blocks this put evicted leave before the new ones come
+        self._events.emit("stored", [k for k, whole in zip(keys, ok, strict=True) if whole])
         return ok
+
+    def _drop_shards(self, key: bytes, ranks: int) -> None:
+        """Delete ``key``'s shards on the first ``ranks`` ranks (read whole, but
+        a later rank's shard is missing or bad: the block can never be read)."""
+        for tier in self.ranks[:ranks]:
+            tier.delete([key])
 
     def delete(self, keys: Sequence[bytes]) -> int:
         counts = [tier.delete(keys) for tier in self.ranks]
         return max(counts)
 
     def stats(self) -> dict[str, int | float | str]:
-        """``BLOCK_COUNTERS`` per block; other integers (bytes, milliseconds,
-        errors, evictions of shards) summed over ranks; the rest from rank 0."""
+        """``BLOCK_COUNTERS`` per block; ``evictions`` the most of any rank
+        (ranks of equal shares, given the same blocks, evict the same ones,
+        and a block one rank evicts leaves the others too); other integers
+        (bytes, milliseconds, errors) summed over ranks; the rest from rank 0."""
         out = dict(self.ranks[0].stats())
         for tier in self.ranks[1:]:
             for name, value in tier.stats().items():
                 if isinstance(value, int) and isinstance(out.get(name), int):
-                    out[name] = int(out[name]) + value
+                    old = int(out[name])
+                    out[name] = max(old, value) if name == "evictions" else old + value
         blocks = self._blocks.snapshot()
         out.update({name: blocks[name] for name in self.BLOCK_COUNTERS})
         out["ranks"] = len(self.ranks)
         return out
 
     def take_events(self) -> list[TierEvent]:
-        """Rank 0's events, plus removals seen on other ranks (a block missing
-        one shard is gone as a whole)."""
-        events = list(self.ranks[0].take_events())
-        for tier in self.ranks[1:]:
-            events.extend(e for e in tier.take_events() if e.kind in ("removed", "corrupt"))
-        return events
+        """The block events since the last call (class doc)."""
+        self._settle_events()
+        return self._events.take()
+
+    def _settle_events(self) -> None:
+        """Turn the ranks' events into block events: a shard that left reports
+        its block once and takes the block's other shards with it; rank 0's
+        breaker events pass; the ranks' ``stored`` events are dropped (``put``
+        reports whole blocks). Events of the deletes it makes itself are read
+        back in the next pass and not reported again."""
+        with self._events_lock:
+            reported: set[bytes] = set()
+            while True:
+                gone: dict[bytes, tuple[str, str]] = {}
+                for rank, tier in enumerate(self.ranks):
+                    for event in tier.take_events():
+                        if event.kind in ("removed", "corrupt"):
+                            for key in event.keys:
+                                if key not in reported:
+                                    gone.setdefault(key, (event.kind, event.detail))
+                        elif event.kind != "stored" and rank == 0:
+                            self._events.emit(event.kind, event.keys, event.detail)
+                if not gone:
+                    return
+                reported.update(gone)
+                self._emit_gone(gone)
+                for tier in self.ranks:
+                    tier.delete(list(gone))
+
+    def _emit_gone(self, gone: dict[bytes, tuple[str, str]]) -> None:
+        """One event per (kind, detail) of the blocks in ``gone``."""
+        groups: dict[tuple[str, str], list[bytes]] = {}
+        for key, why in gone.items():
+            groups.setdefault(why, []).append(key)
+        for (kind, detail), keys in groups.items():
+            self._events.emit("corrupt" if kind == "corrupt" else "removed", keys, detail)
 
     def debug_state(self) -> dict[str, int]:
         """Each rank's ``debug_state()`` entries, summed over ranks."""

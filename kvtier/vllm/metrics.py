@@ -23,7 +23,8 @@ COUNTERS = {
     "stores": "Blocks stored into kvtier's CPU tier.",
     "evictions": "Blocks evicted from kvtier's CPU tier.",
     "stores_skipped": "Store candidates refused by admission (store_threshold).",
-    "allocation_failures": "Store offers refused because no slot could be freed.",
+    "allocation_failures": "Store offers, and promotions from a lower tier, refused because "
+                           "no CPU slot could be freed.",
 }
 """Counter name (after the prefix) -> help text; values are manager.stats() fields."""
 

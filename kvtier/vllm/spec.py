@@ -215,7 +215,7 @@ class KVTierSpec(OffloadingSpec):
             for tier in tiers:
                 tier.close()
             raise
-        return RankedTier(tiers)
+        return RankedTier(tiers, enable_events=self.kv_events_config.enable_kv_cache_events)
 
     def _disk_tier(self, rank: int) -> Tier:
         from kvtier.tiers.disk import DiskTier
