@@ -253,6 +253,39 @@ def vllm_arguments(vllm_args: Sequence[str], public_extra: dict[str, Any]) -> li
             json.dumps(transfer, separators=(", ", ": "))]
 
 
+def _option_value(vllm_args: Sequence[str], names: tuple[str, ...]) -> str | None:
+    """The value given to the last of the options ``names`` (``--x V`` or ``--x=V``)."""
+    value = None
+    for i, arg in enumerate(vllm_args):
+        name, eq, inline = arg.partition("=")
+        if name in names:
+            value = inline if eq else (vllm_args[i + 1] if i + 1 < len(vllm_args) else None)
+    return value
+
+
+def api_servers(vllm_args: Sequence[str]) -> int:
+    """How many API server processes ``vllm serve`` will run: ``--api-server-count``,
+    by default the data-parallel size (1 when either cannot be read)."""
+    for names in (("--api-server-count", "--api_server_count", "-asc"),
+                  ("--data-parallel-size", "--data_parallel_size", "-dp")):
+        value = _option_value(vllm_args, names)
+        if value is not None:
+            return int(value) if value.isdigit() else 1
+    return 1
+
+
+def note_stale_gauges(vllm_args: Sequence[str]) -> None:
+    """Say on stderr what several API servers do to the gauges: vLLM hands each
+    step's offloading stats to one of them, so each server's gauges show what
+    it last received (counters add up right)."""
+    count = api_servers(vllm_args)
+    if count > 1:
+        print(f"kvtier serve: {count} API servers: each shows kvtier's gauges (pinned, "
+              "leased, resident...) as of the last stats it received; read them from one "
+              "server's newest sample, or run --api-server-count 1 (counters are exact "
+              "either way)", file=sys.stderr)
+
+
 def print_command(argv: list[str], env: dict[str, str]) -> None:
     """The equivalent ``vllm serve`` line on stdout; where secrets must be, on stderr."""
     print(shlex.join(["vllm", *argv]))
@@ -265,6 +298,7 @@ def run(args: argparse.Namespace, vllm_args: Sequence[str]) -> int:
     """``kvtier serve``: validate, then become the server (or print the command)."""
     public, env = without_secrets(extra_config(args))
     argv = vllm_arguments(vllm_args, public)
+    note_stale_gauges(vllm_args)
     if args.print_command:
         print_command(argv, env)
         return 0

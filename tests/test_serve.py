@@ -167,3 +167,15 @@ def test_text_settings_stay_text_through_kvtier(capsys: pytest.CaptureFixture[st
     assert extra["store_threshold"] == 2
     _, extra, err = printed(capsys, "--kvtier", "tenant_salt=2024")
     assert extra["tenant_salt"] == "env:KVTIER_TENANT_SALT" and "KVTIER_TENANT_SALT" in err
+
+
+@pytest.mark.parametrize(("args", "noted"), [
+    ([], False), (["--api-server-count", "1"], False), (["--api-server-count=2"], True),
+    (["-asc", "4"], True), (["--data-parallel-size", "2"], True),
+    (["--data-parallel-size", "2", "--api-server-count", "1"], False),
+])
+def test_several_api_servers_are_told_what_they_do_to_the_gauges(
+        capsys: pytest.CaptureFixture[str], args: list[str], noted: bool) -> None:
+    # vLLM hands each step's stats to one API server: the others' gauges go stale
+    _, _, err = printed(capsys, *args)
+    assert ("kvtier's gauges" in err) == noted
