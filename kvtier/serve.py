@@ -281,8 +281,8 @@ def note_stale_gauges(vllm_args: Sequence[str]) -> None:
     count = api_servers(vllm_args)
     if count > 1:
         print(f"kvtier serve: {count} API servers: each shows kvtier's gauges (pinned, "
-              "leased, resident...) as of the last stats it received; read them from one "
-              "server's newest sample, or run --api-server-count 1 (counters are exact "
+              "leased, resident...) as of the last step whose stats it received, which "
+              "may be old; --api-server-count 1 keeps them current (counters add up "
               "either way)", file=sys.stderr)
 
 
