@@ -701,3 +701,26 @@ def test_caller_mistakes_raise(tmp_path: Path) -> None:
     tier.close()
     with pytest.raises(ValueError, match="closed"):
         tier.get([block_key(1)])
+
+
+def _held(events: list) -> dict[bytes, int]:
+    """What a consumer counting stored / removed announcements believes."""
+    refs: dict[bytes, int] = {}
+    for event in events:
+        for key in event.keys:
+            refs[key] = refs.get(key, 0) + (1 if event.kind == "stored" else -1)
+    return refs
+
+
+def test_events_follow_blocks_other_engines_and_restarts_bring(tmp_path: Path) -> None:
+    first = make(tmp_path, rescan_interval_s=None, lookups="inline")
+    first.put([(block_key(i), payload(i)) for i in range(3)])
+    first.close()
+    a = make(tmp_path, rescan_interval_s=None, lookups="inline")  # a restart finds 3 blocks
+    b = make(tmp_path, rescan_interval_s=None, lookups="inline")
+    assert _held(a.take_events()) == {block_key(i): 1 for i in range(3)}
+    b.put([(block_key(9), payload(9))])
+    assert a.contains([block_key(9)]) == [True]  # another engine's block, found
+    assert b.delete([block_key(0)]) == 1  # another engine's delete, seen at a rescan
+    a.rescan()
+    assert _held(a.take_events()) == {block_key(9): 1, block_key(0): -1}

@@ -259,8 +259,11 @@ class DiskTier(Tier):
         return found
 
     def _load_scan(self, found: list[Scanned]) -> int:
-        """Replace the index with a scan's result (keeping what changed meanwhile)."""
+        """Replace the index with a scan's result (keeping what changed meanwhile);
+        the blocks it adds (at start: all) are reported stored, those gone from
+        the directory (another engine's eviction or delete) removed."""
         with self._lock:
+            before = self._index
             index: OrderedDict[bytes, int] = OrderedDict()
             removed = self._scan_removed
             for _mtime, key, acct in found:
@@ -276,7 +279,11 @@ class DiskTier(Tier):
             self._scanning = False
             self._scan_added = {}
             self._scan_removed = set()
+            appeared = [k for k in index if k not in before]
+            vanished = [k for k in before if k not in index]
             victims, _ = self._evict_locked(0)
+        self._events.emit("stored", appeared)
+        self._events.emit("removed", vanished, "gone")
         self._remove_victims(victims)
         return len(self._index)
 
@@ -414,6 +421,7 @@ class DiskTier(Tier):
         finally:
             self._lock.release()
         self._counters.add("discovered")
+        self._events.emit("stored", [key])
         self._remove_victims(victims)
 
     def get_into(self, keys: Sequence[bytes], buffers: Sequence[BytesLike]) -> list[int | None]:
@@ -499,6 +507,7 @@ class DiskTier(Tier):
         self._counters.add("hits")
         if adopted:
             self._counters.add("discovered")
+            self._events.emit("stored", [key])
             self._remove_victims(victims)
 
     def _miss(self, key: bytes, gone: bool = False) -> tuple[None, None]:
