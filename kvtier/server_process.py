@@ -43,6 +43,13 @@ def sigterm_as_exit() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+def _kill(pids: Sequence[int]) -> None:
+    """SIGKILL each of ``pids`` still running."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
 _PR_SET_PDEATHSIG = 1
 
 
@@ -204,13 +211,23 @@ class ServerProcess:
         return self.returncode
 
     def _reap_session(self, session: int) -> list[int]:
-        """Wait briefly for the session to empty; kill and return what remains."""
+        """Wait briefly for the session to empty; kill and return what remains.
+
+        Region reapers are killed last, a moment after the rest: a reaper
+        removes its slot region once the worker that made it is gone, and
+        killing both at once would leave the region in /dev/shm."""
+        from kvtier.slots.reaper import is_reaper
+
         deadline = time.monotonic() + 10.0
         while (left := session_pids(session)) and time.monotonic() < deadline:
             time.sleep(0.2)
-        for pid in left:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        reapers = [pid for pid in left if is_reaper(pid)]
+        _kill([pid for pid in left if pid not in reapers])
+        grace = time.monotonic() + 2.0
+        while (reapers := [p for p in reapers if p in session_pids(session)]) \
+                and time.monotonic() < grace:
+            time.sleep(0.05)
+        _kill(reapers)
         return left
 
     def log_tail(self) -> str:

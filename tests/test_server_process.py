@@ -139,3 +139,36 @@ def test_a_server_does_not_outlive_a_killed_parent(tmp_path: Path) -> None:
     while not gone(server) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert gone(server), "the server outlived the process that started it"
+
+
+WORKER = ("import signal, sys, time\n"
+          "from kvtier.slots.region import SlotRegion\n"
+          "signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+          "r = SlotRegion.create('reap-test', 2, 4096, shm_dir=sys.argv[1], reaper=True,\n"
+          "                      populate=False)\n"
+          "print(r.path, flush=True)\n"
+          "time.sleep(600)\n")
+WITH_WORKER = ("import subprocess, sys\n"
+               "subprocess.Popen([sys.executable, '-c', sys.argv[2], sys.argv[3]],\n"
+               "                 stdout=open(sys.argv[4], 'w'))\n" + HEALTHY)
+
+
+def test_a_worker_killed_at_stop_leaves_no_slot_region(tmp_path: Path) -> None:
+    # a worker that does not stop on SIGINT is killed with the session; its
+    # region's reaper must outlive it long enough to remove the region
+    port = free_port()
+    where = tmp_path / "region-path"
+    srv = ServerProcess([sys.executable, "-c", WITH_WORKER, str(port), WORKER,
+                         str(tmp_path), str(where)], port, tmp_path / "log",
+                        stop_timeout_s=1)
+    with srv:
+        deadline = time.monotonic() + 30
+        while not where.read_text().strip() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        region = Path(where.read_text().strip())
+        assert region.exists()
+    assert srv.leftovers, "the worker should have been left to kill"
+    deadline = time.monotonic() + 5
+    while region.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not region.exists()

@@ -40,6 +40,19 @@ ended without closing the region) and while ``$1`` is still the file of
 device and inode ``$2``."""
 
 
+REAPER_NAME = "kvtier-region-reaper"
+"""The reaper's ``$0``: its command line names it (``is_reaper``)."""
+
+
+def is_reaper(pid: int) -> bool:
+    """Whether process ``pid`` is a region reaper (False when unknown)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return REAPER_NAME.encode() in f.read().split(b"\0")
+    except OSError:
+        return False
+
+
 def _reaper_env() -> dict[str, str]:
     """The reaper's whole environment: it outlives the engine, and the engine's
     environment may hold secrets (the Redis password, the tenant salt), which
@@ -61,7 +74,7 @@ class RegionReaper:
         read_end, write_end = os.pipe()
         try:
             starter = subprocess.run(
-                ["sh", "-c", _SCRIPT, "kvtier-region-reaper", str(path), identity],
+                ["sh", "-c", _SCRIPT, REAPER_NAME, str(path), identity],
                 stdin=read_end, capture_output=True, timeout=10, check=True,
                 env=_reaper_env())
             self.pid = int(starter.stdout.split()[0])
