@@ -11,6 +11,7 @@ started here (loopback only), real files, real TLS certificates made with openss
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -588,6 +589,14 @@ def test_plugin_namespace_depends_on_the_salt(tmp_path: Path,
                                                        OTHER_SALT, None))
     assert a.namespace() == again.namespace() == from_env.namespace()
     assert len({a.namespace(), b.namespace(), unsalted.namespace()}) == 3
+    # two ranks splitting a block by heads or by tokens hold other bytes
+    split = {}
+    for tp, dcp in ((2, 1), (1, 2)):
+        made = spec(None)
+        made.config = dataclasses.replace(made.config, parallel=dataclasses.replace(
+            made.config.parallel, world_size=2, tp_size=tp, dcp_size=dcp))
+        split[tp, dcp] = made.namespace(rank=1)
+    assert len(set(split.values())) == 2
     assert_no_secret(json.dumps(a._manifest(0)), repr(a.settings), a.namespace())
 
 

@@ -156,7 +156,8 @@ class KVTierSpec(OffloadingSpec):
     def namespace(self, rank: int | None = None) -> str:
         """The shared tiers' namespace of one rank (default: this process's):
         the model's identity (weights, effective config), KV dtype and
-        geometry, rank and world size, tenant."""
+        geometry, rank and world size and how the world splits a block
+        (tensor, prefill- and decode-context parallel sizes), tenant."""
         c = self.config
         fingerprint = {
             "identity": self.model_identity().as_dict(),
@@ -167,6 +168,8 @@ class KVTierSpec(OffloadingSpec):
             "kv_cache_layout": c.kv_cache_layout,
             "rank": c.parallel.rank if rank is None else rank,
             "world_size": c.parallel.world_size,
+            # how the world splits a block: by heads (tensor) or by tokens (context)
+            "split": [c.parallel.tp_size, c.parallel.pcp_size, c.parallel.dcp_size],
         }
         raw = json.dumps(fingerprint, sort_keys=True, separators=(",", ":")).encode()
         return namespace_of(raw, self.settings.tenant_salt)
