@@ -80,7 +80,7 @@ class RankedTier(Tier):
     is whole, ``removed`` (or ``corrupt``) once when its first shard leaves,
     which takes the other ranks' shards with it (no orphan shards; each rank
     would otherwise report the same eviction). A block that a read finds on
-    some ranks only loses those shards too.
+    some ranks only, the next one being local, loses those shards too.
     """
 
     BLOCK_COUNTERS = ("hits", "misses", "stores", "dropped_stores")
@@ -135,8 +135,8 @@ class RankedTier(Tier):
                 prev = total[i]
                 whole = prev is not None and n is not None and n == memoryview(parts[i]).nbytes
                 total[i] = prev + n if whole and prev is not None and n is not None else None
-                if total[i] is None and rank:  # earlier ranks' shards of a block that is no more
-                    self._drop_shards(keys[i], rank)
+                if total[i] is None and rank and not tier.remote:
+                    self._drop_shards(keys[i], rank)  # a local miss: the shard is not there
         found = sum(t is not None for t in total)
         self._blocks.add("hits", found)
         self._blocks.add("misses", len(total) - found)
@@ -173,7 +173,8 @@ class RankedTier(Tier):
 
     def _drop_shards(self, key: bytes, ranks: int) -> None:
         """Delete ``key``'s shards on the first ``ranks`` ranks (read whole, but
-        a later rank's shard is missing or bad: the block can never be read)."""
+        a later, local rank's shard is missing or bad: the block can never be
+        read). Not after a remote rank's miss, which may be a timeout."""
         for tier in self.ranks[:ranks]:
             tier.delete([key])
 
