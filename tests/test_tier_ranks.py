@@ -166,13 +166,16 @@ def test_a_block_one_rank_cannot_store_leaves_no_orphan_shard(
 ) -> None:
     layout = [KVLayout("m", "bfloat16", 16, 2, 2, 64, tp_rank=r, tp_size=RANKS).namespace()
               for r in range(RANKS)]
-    roomy = DiskTier(tmp_path / "disk", layout[0], 16 << 20, free_reserve_bytes=0)
-    full = DiskTier(tmp_path / "disk", layout[1], 4096, free_reserve_bytes=0)  # < one block
-    tier = RankedTier([roomy, full])
+    roomy = DiskTier(tmp_path / "disk", layout[0], 16 << 20, free_reserve_bytes=0,
+                     enable_events=True)
+    full = DiskTier(tmp_path / "disk", layout[1], 4096, free_reserve_bytes=0,
+                    enable_events=True)  # < one block
+    tier = RankedTier([roomy, full], enable_events=True)
     try:
         assert tier.put([(block_key(0), regions.slot_array(0))]) == [False]
         assert roomy.contains([block_key(0)]) == [False]  # rank 0's shard removed again
         assert tier.contains([block_key(0)]) == [False]
+        assert tier.take_events() == []  # never whole: neither stored nor removed
     finally:
         tier.close()
 

@@ -97,6 +97,7 @@ class RankedTier(Tier):
         self._blocks = Counters()
         self._events = TierEventLog(self.name, enable_events, max_events)
         self._events_lock = threading.Lock()
+        self._quiet: dict[int, set[bytes]] = {}  # rank -> keys it deleted as orphans
 
     def _parts(self, buffers: Sequence[Any], rank: int) -> list[BytesLike]:
         n = len(self.ranks)
@@ -161,10 +162,10 @@ class RankedTier(Tier):
                                        strict=True)))
                      for rank, tier in enumerate(self.ranks)]
         ok = [all(column) for column in zip(*stored_by, strict=True)]
-        for tier, stored in zip(self.ranks, stored_by, strict=True):
+        for rank, stored in enumerate(stored_by):
             orphans = [k for k, s, whole in zip(keys, stored, ok, strict=True) if s and not whole]
             if orphans:
-                tier.delete(orphans)
+                self._delete_orphans(rank, orphans)
         self._blocks.add("stores", sum(ok))
         self._blocks.add("dropped_stores", len(ok) - sum(ok))
         self._settle_events()  # the blocks this put evicted leave before the new ones come
@@ -175,8 +176,15 @@ class RankedTier(Tier):
         """Delete ``key``'s shards on the first ``ranks`` ranks (read whole, but
         a later, local rank's shard is missing or bad: the block can never be
         read). Not after a remote rank's miss, which may be a timeout."""
-        for tier in self.ranks[:ranks]:
-            tier.delete([key])
+        for rank in range(ranks):
+            self._delete_orphans(rank, [key])
+
+    def _delete_orphans(self, rank: int, keys: list[bytes]) -> None:
+        """Delete shards of blocks that are not whole on ``rank``; their removal
+        is not a block's (the rank that lacks the shard reports one, if any)."""
+        with self._events_lock:
+            self.ranks[rank].delete(keys)
+            self._quiet.setdefault(rank, set()).update(keys)
 
     def delete(self, keys: Sequence[bytes]) -> int:
         counts = [tier.delete(keys) for tier in self.ranks]
@@ -214,13 +222,15 @@ class RankedTier(Tier):
             while True:
                 gone: dict[bytes, tuple[str, str]] = {}
                 for rank, tier in enumerate(self.ranks):
+                    quiet = self._quiet.get(rank, ())
                     for event in tier.take_events():
                         if event.kind in ("removed", "corrupt"):
                             for key in event.keys:
-                                if key not in reported:
+                                if key not in reported and key not in quiet:
                                     gone.setdefault(key, (event.kind, event.detail))
                         elif event.kind != "stored" and rank == 0:
                             self._events.emit(event.kind, event.keys, event.detail)
+                self._quiet.clear()  # their deletes' events were in this pass
                 if not gone:
                     return
                 reported.update(gone)
