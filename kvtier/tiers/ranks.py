@@ -96,7 +96,7 @@ class RankedTier(Tier):
         self.remote = any(t.remote for t in self.ranks)
         self._blocks = Counters()
         self._events = TierEventLog(self.name, enable_events, max_events)
-        self._events_lock = threading.Lock()
+        self._events_lock = threading.RLock()
         self._quiet: dict[int, set[bytes]] = {}  # rank -> keys it deleted as orphans
 
     def _parts(self, buffers: Sequence[Any], rank: int) -> list[BytesLike]:
@@ -137,7 +137,7 @@ class RankedTier(Tier):
                 whole = prev is not None and n is not None and n == memoryview(parts[i]).nbytes
                 total[i] = prev + n if whole and prev is not None and n is not None else None
                 if total[i] is None and rank and not tier.remote:
-                    self._drop_shards(keys[i], rank)  # a local miss: the shard is not there
+                    self._drop_shards(keys[i], rank)
         found = sum(t is not None for t in total)
         self._blocks.add("hits", found)
         self._blocks.add("misses", len(total) - found)
@@ -155,9 +155,27 @@ class RankedTier(Tier):
 
     def put(self, items: Sequence[tuple[bytes, Any]]) -> list[bool]:
         """Store every rank's shard; a block some rank dropped is removed from
-        the ranks that stored it (no orphan shards taking room)."""
-        keys = [k for k, _ in items]
+        the ranks that stored it (no orphan shards taking room). With events,
+        puts run one at a time, so that each put's evictions and stores are
+        reported in the order they happened (``_put_and_report``)."""
+        if not self._events.enabled:
+            return self._put(items)
+        with self._events_lock:
+            return self._put_and_report(items)
+
+    def _put_and_report(self, items: Sequence[tuple[bytes, Any]]) -> list[bool]:
+        """``_put``, then its block events: the blocks it evicted leave, then
+        the ones it stored come, but for those it evicted again itself (stored
+        and gone within the put: neither is reported)."""
         self._settle_events()  # what left before is gone before these are stored
+        ok = self._put(items)
+        whole = [k for (k, _), done in zip(items, ok, strict=True) if done]
+        again = self._settle_events(fresh=set(whole))
+        self._events.emit("stored", [k for k in whole if k not in again])
+        return ok
+
+    def _put(self, items: Sequence[tuple[bytes, Any]]) -> list[bool]:
+        keys = [k for k, _ in items]
         stored_by = [tier.put(list(zip(keys, self._parts([p for _, p in items], rank),
                                        strict=True)))
                      for rank, tier in enumerate(self.ranks)]
@@ -168,16 +186,17 @@ class RankedTier(Tier):
                 self._delete_orphans(rank, orphans)
         self._blocks.add("stores", sum(ok))
         self._blocks.add("dropped_stores", len(ok) - sum(ok))
-        self._settle_events()  # the blocks this put evicted leave before the new ones come
-        self._events.emit("stored", [k for k, whole in zip(keys, ok, strict=True) if whole])
         return ok
 
     def _drop_shards(self, key: bytes, ranks: int) -> None:
-        """Delete ``key``'s shards on the first ``ranks`` ranks (read whole, but
-        a later, local rank's shard is missing or bad: the block can never be
-        read). Not after a remote rank's miss, which may be a timeout."""
-        for rank in range(ranks):
-            self._delete_orphans(rank, [key])
+        """After rank ``ranks`` missed ``key`` that the ranks before it read
+        whole: when that rank does not hold the shard (not a passing read
+        error), delete the earlier shards, since the block can never be read;
+        its removal is reported. Not after a remote rank's miss (a timeout?)."""
+        if self.ranks[ranks].contains_waiting([key]) == [True]:
+            return
+        for tier in self.ranks[:ranks]:
+            tier.delete([key])
 
     def _delete_orphans(self, rank: int, keys: list[bytes]) -> None:
         """Delete shards of blocks that are not whole on ``rank``; their removal
@@ -211,12 +230,15 @@ class RankedTier(Tier):
         self._settle_events()
         return self._events.take()
 
-    def _settle_events(self) -> None:
+    def _settle_events(self, fresh: set[bytes] | None = None) -> set[bytes]:
         """Turn the ranks' events into block events: a shard that left reports
         its block once and takes the block's other shards with it; rank 0's
         breaker events pass; the ranks' ``stored`` events are dropped (``put``
         reports whole blocks). Events of the deletes it makes itself are read
-        back in the next pass and not reported again."""
+        back in the next pass and not reported again. Blocks of ``fresh``
+        (stored by the put that asks, not reported yet) that left are not
+        reported but returned."""
+        left_fresh: set[bytes] = set()
         with self._events_lock:
             reported: set[bytes] = set()
             while True:
@@ -232,9 +254,11 @@ class RankedTier(Tier):
                             self._events.emit(event.kind, event.keys, event.detail)
                 self._quiet.clear()  # their deletes' events were in this pass
                 if not gone:
-                    return
+                    return left_fresh
                 reported.update(gone)
-                self._emit_gone(gone)
+                if fresh:
+                    left_fresh.update(k for k in gone if k in fresh)
+                self._emit_gone({k: why for k, why in gone.items() if k not in left_fresh})
                 for tier in self.ranks:
                     tier.delete(list(gone))
 
