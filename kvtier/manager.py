@@ -170,18 +170,17 @@ class OffloadManager:
         new = [k for k in run if k not in leased] if leased else run
         if len(new) > 1 and len(set(new)) != len(new):
             new = list(dict.fromkeys(new))
-        if not new:  # asked again for what it holds: its leases last from now
-            self._leases.granted(ctx, 0, now)
-            return hits
-        mine, blocks = self._leases.budgets(ctx, len(self._lease_count))
-        counted = self._lease_count
-        over_blocks = len(new) > blocks and sum(1 for k in new if k not in counted) > blocks
-        if len(new) > mine or over_blocks:
-            hits = leased_prefix(run, leased, counted, mine, blocks)
-            new = list(dict.fromkeys(k for k in run[:hits] if k not in leased))
+        if new:
+            mine, blocks = self._leases.budgets(ctx, len(self._lease_count))
+            counted = self._lease_count
+            over_blocks = len(new) > blocks and sum(1 for k in new if k not in counted) > blocks
+            if len(new) > mine or over_blocks:
+                hits = leased_prefix(run, leased, counted, mine, blocks)
+                new = list(dict.fromkeys(k for k in run[:hits] if k not in leased))
         if new:
             leased.update(new)
             self._holds.lease(new)
+        if leased:  # a new grant, or asked again for what it holds: its leases last from now
             self._leases.granted(ctx, len(new), now)
         return hits
 

@@ -223,6 +223,19 @@ def test_asking_again_for_held_keys_extends_the_leases(fake_clock: FakeClock, on
     mgr.prepare_load(ks[:1], r1)
 
 
+def test_asking_again_at_the_lease_budget_extends_the_leases(fake_clock: FakeClock) -> None:
+    # r1 may hold 1 lease and asks every step for [k0, k1]: k0 it holds, k1 its
+    # budget refuses; it is still asking again for what it holds
+    mgr, ks = full_cache(3, max_leases_per_request=1, max_leased_blocks=3,
+                         lease_timeout_s=10.0)
+    r1 = request("r1")
+    for _ in range(20):
+        assert mgr.lookup(ks[:2], r1) == 1
+        fake_clock.advance(0.5)
+    victims = try_store(mgr, 3, "a")  # 0.5 s after r1's last lookup
+    assert victims is None or ks[0] not in victims
+
+
 def test_default_lease_timeout_is_sixty_seconds(fake_clock: FakeClock) -> None:
     mgr, ks = full_cache(2, max_leased_blocks=2)
     assert mgr.lookup(ks, request("abandoned")) == 2
