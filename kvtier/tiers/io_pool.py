@@ -214,9 +214,11 @@ class IOPool:
         with self._cond:
             late = [job for job in self._reads
                     if isinstance(job, PromotionJob) and job.started < submitted_before]
-            if late:
+            if late:  # in place: ``submit`` picks the queue before it takes the lock
                 gone = set(map(id, late))
-                self._reads = deque(job for job in self._reads if id(job) not in gone)
+                kept = [job for job in self._reads if id(job) not in gone]
+                self._reads.clear()
+                self._reads.extend(kept)
         return late
 
     def take_done(self) -> list[Job]:
