@@ -279,8 +279,11 @@ class DiskTier(Tier):
             self._scanning = False
             self._scan_added = {}
             self._scan_removed = set()
-            appeared = [k for k in index if k not in before]
-            vanished = [k for k in before if k not in index]
+            appeared: list[bytes] = []
+            vanished: list[bytes] = []
+            if self._events.enabled:  # a pass over both indexes, under the lock
+                appeared = [k for k in index if k not in before]
+                vanished = [k for k in before if k not in index]
             victims, _ = self._evict_locked(0)
         self._events.emit("stored", appeared)
         self._events.emit("removed", vanished, "gone")
