@@ -224,24 +224,6 @@ def test_layout_packs_pages_per_group() -> None:
         SlotLayout.build([0])
 
 
-# ---------------------------------------------------------------- CUDA
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_cuda_round_trip(region: SlotRegion) -> None:
-    src = [t.cuda() for t in random_tensors(PAGES, NUM_BLOCKS, seed=9)]
-    dst = [torch.zeros_like(t) for t in src]
-    store, load = TransferWorker(src, region), TransferWorker(dst, region)
-    store.store(1, [4, 5, 6, 30], [7, 8, 9, 0])
-    store.wait({1})
-    assert finished(store)[1].success
-    load.load(2, [7, 8, 9, 0], [0, 1, 2, 3])
-    load.wait({2})
-    assert finished(load)[2].success
-    for s_t, d_t in zip(src, dst, strict=True):
-        assert torch.equal(s_t[[4, 5, 6, 30]], d_t[:4])
-    store.shutdown()
-    load.shutdown()
-
-
 # ---------------------------------------------------------------- vLLM adapter
 def test_vllm_adapter_round_trip(region: SlotRegion) -> None:
     base = pytest.importorskip("vllm.v1.kv_offload.base")

@@ -205,6 +205,7 @@ def test_tier_settings_are_validated() -> None:
     ({"promotion_timeout_s": 0}, "promotion_timeout_s"),
     ({"promotion_timeout_s": float("nan")}, "promotion_timeout_s"),
     ({"model_identity": 7}, "model_identity"),
+    ({"cuda_copy": "fast"}, "cuda_copy"),
 ])
 def test_per_tier_settings_are_validated(bad: dict[str, Any], named: str) -> None:
     from kvtier.vllm.settings import ConfigError, KVTierSettings

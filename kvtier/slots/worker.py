@@ -6,14 +6,12 @@ concatenation of that block's page in every tensor of group ``g``; it is stored
 in one slot of a :class:`~kvtier.slots.region.SlotRegion`.
 
 On CPU the copies are plain memory copies done by numpy (which releases the
-GIL), optionally on a few threads. On CUDA the region is registered as pinned
-host memory and copies run on a dedicated stream, tracked with events, so the
-engine never waits for them.
+GIL), optionally on a few threads. The CUDA backend lives in
+:mod:`kvtier.slots.cuda`.
 """
 
 from __future__ import annotations
 
-import ctypes
 import itertools
 import logging
 import threading
@@ -22,19 +20,25 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 import numpy as np
-import numpy.typing as npt
 import torch
 
+from kvtier.slots.jobs import (
+    Batch,
+    CudaCopy,
+    Direction,
+    IntArray,
+    Segment,
+    TransferResult,
+    U8Array,
+    coalesce_runs,
+)
 from kvtier.slots.region import SlotRegion
 
 logger = logging.getLogger(__name__)
 
-Direction = Literal["store", "load"]
-IntArray = npt.NDArray[np.int64]
-U8Array = npt.NDArray[np.uint8]
 
 # Pages at least this large are copied run by run (consecutive ids coalesced);
 # smaller pages are gathered and scattered with one fancy-indexed copy per
@@ -43,17 +47,6 @@ ROW_COPY_MIN_BYTES = 16 * 1024
 # Smaller jobs are copied by the calling thread alone: handing them to the copy
 # pool costs more than it saves.
 PARALLEL_MIN_BYTES = 8 * 1024 * 1024
-
-
-@dataclass(frozen=True)
-class TransferResult:
-    """Outcome of one store or load job."""
-
-    job_id: int
-    success: bool
-    num_bytes: int = 0
-    seconds: float | None = None
-    error: str | None = None
 
 
 @dataclass(frozen=True)
@@ -99,25 +92,6 @@ class SlotLayout:
         return max(self.group_bytes(g) for g in range(len(self.groups)))
 
 
-@dataclass(frozen=True)
-class Segment:
-    """The blocks of one KV group inside a job: ``engine_ids[i] <-> slot_ids[i]``."""
-
-    group: int
-    engine_ids: IntArray
-    slot_ids: IntArray
-
-
-@dataclass(frozen=True)
-class Batch:
-    """A validated job: its segments and how many bytes it moves."""
-
-    job_id: int
-    direction: Direction
-    segments: tuple[Segment, ...]
-    num_bytes: int
-
-
 def as_block_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """View ``tensor`` (leading dim = blocks) as ``(num_blocks, page_bytes)`` uint8.
 
@@ -160,22 +134,6 @@ def _check_unique(ids: IntArray, label: str) -> None:
         raise ValueError(f"{label} has duplicates; each destination is written once")
 
 
-def coalesce_runs(src: IntArray, dst: IntArray) -> list[tuple[int, int, int]]:
-    """Split paired ids into maximal runs where both advance by one.
-
-    Returns ``(src_start, dst_start, length)`` triples in input order.
-    """
-    if src.size == 0:
-        return []
-    breaks = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
-    starts = np.concatenate(([0], breaks))
-    lengths = np.diff(np.concatenate((starts, [src.size])))
-    return [
-        (int(src[s]), int(dst[s]), int(n))
-        for s, n in zip(starts.tolist(), lengths.tolist(), strict=True)
-    ]
-
-
 class _Copier(Protocol):
     """A backend that runs validated batches and reports their results."""
 
@@ -210,10 +168,12 @@ class TransferWorker:
         groups: Sequence[Sequence[int]] | None = None,
         copy_threads: int = 1,
         asynchronous: bool = False,
+        cuda_copy: CudaCopy = "auto",
     ) -> None:
         """``groups[g]`` lists the tensor indices of KV group ``g`` (default: all
         tensors form group 0). On CPU, ``copy_threads`` threads share each copy
-        and ``asynchronous`` runs jobs in order on a background thread."""
+        and ``asynchronous`` runs jobs in order on a background thread. On CUDA,
+        ``cuda_copy`` picks how bytes cross to the slots (``kvtier.slots.cuda``)."""
         if not kv_tensors:
             raise ValueError("TransferWorker needs at least one KV tensor")
         self.tensors = [as_block_bytes(t) for t in kv_tensors]
@@ -226,7 +186,7 @@ class TransferWorker:
             )
         self.region = region
         self._failed: deque[TransferResult] = deque()
-        self._copier = self._make_copier(copy_threads, asynchronous)
+        self._copier = self._make_copier(copy_threads, asynchronous, cuda_copy)
 
     @staticmethod
     def _common_num_blocks(tensors: Sequence[torch.Tensor]) -> int:
@@ -238,12 +198,14 @@ class TransferWorker:
             raise ValueError(f"KV tensors live on several devices: {devices}")
         return counts.pop()
 
-    def _make_copier(self, copy_threads: int, asynchronous: bool) -> _Copier:
+    def _make_copier(self, copy_threads: int, asynchronous: bool, cuda_copy: CudaCopy) -> _Copier:
         device = self.tensors[0].device
         if device.type == "cpu":
             return CpuCopier(self, copy_threads, asynchronous)
         if device.type == "cuda" and torch.cuda.is_available():
-            return CudaCopier(self)
+            from kvtier.slots.cuda import CudaCopier
+
+            return CudaCopier(self, cuda_copy)
         raise ValueError(f"unsupported KV tensor device {device}")
 
     # ------------------------------------------------------------------ jobs
@@ -461,168 +423,3 @@ class CpuCopier:
 def _run_all(tasks: Sequence[_CopyTask]) -> None:
     for task in tasks:
         task.run()
-
-
-# ---------------------------------------------------------------------- CUDA
-@dataclass
-class _CudaJob:
-    """A batch in flight on the copy stream, with what it must keep alive."""
-
-    batch: Batch
-    start: torch.cuda.Event
-    end: torch.cuda.Event
-    keep: list[torch.Tensor]
-    error: str | None = None
-
-    def result(self) -> TransferResult:
-        if self.error is not None:
-            return TransferResult(self.batch.job_id, False, error=self.error)
-        try:
-            seconds: float | None = self.start.elapsed_time(self.end) / 1000.0
-        except RuntimeError:
-            seconds = None
-        return TransferResult(self.batch.job_id, True, self.batch.num_bytes, seconds)
-
-
-_CUDA_HOST_MEMORY_ALREADY_REGISTERED = 712
-
-
-def _clear_cuda_error() -> None:
-    """Reset CUDA's last-error state after a failed runtime call (best effort),
-    so a later kernel-launch check does not report our error as its own."""
-    try:
-        with open("/proc/self/maps") as maps:
-            lib = next((ln.split()[-1] for ln in maps if "libcudart" in ln), None)
-        if lib is not None:
-            ctypes.CDLL(lib).cudaGetLastError()
-    except (OSError, AttributeError):
-        logger.debug("kvtier: could not clear the CUDA error state")
-
-
-def _host_register(region: SlotRegion) -> int | None:
-    """Pin the region's slots for DMA; returns the address to unregister, or
-    None when this worker did not register them (already pinned, or failed)."""
-    address, size = region.base_address(), region.slots_nbytes
-    try:
-        code = int(torch.cuda.cudart().cudaHostRegister(address, size, 1))
-    except (AttributeError, AssertionError, RuntimeError) as exc:
-        logger.warning("kvtier: cannot pin slot region %s: %r", region.name, exc)
-        return None
-    if code == 0:
-        return address
-    _clear_cuda_error()
-    if code != _CUDA_HOST_MEMORY_ALREADY_REGISTERED:
-        logger.warning(
-            "kvtier: could not pin slot region %s (cudaError %d); copies to it "
-            "are pageable and may block the engine",
-            region.name,
-            code,
-        )
-    return None
-
-
-def _host_unregister(address: int) -> None:
-    code = int(torch.cuda.cudart().cudaHostUnregister(address))
-    if code != 0:
-        _clear_cuda_error()
-        logger.warning("kvtier: cudaHostUnregister failed (cudaError %d)", code)
-
-
-class CudaCopier:
-    """CUDA backend: copies on one dedicated stream, completion via events.
-
-    Owns the copy stream, the in-flight jobs (with their staging buffers and
-    index tensors, kept alive until the job's end event has completed) and the
-    pinned-memory registration of the region's slots, undone by ``close()``.
-
-    A store gathers the blocks' pages on the GPU into a staging buffer laid out
-    like slots, then copies it to the slots (one copy per run of consecutive
-    slot ids); a load does the reverse. Every job first waits for the work
-    already queued on the engine's current stream, and jobs run in submission
-    order. The host never waits for a copy except in ``wait``/``close``.
-    """
-
-    def __init__(self, worker: TransferWorker) -> None:
-        self._device = worker.tensors[0].device
-        self._tensors = worker.tensors
-        self._layout = worker.layout
-        self._host = worker.region.as_torch(padded=True)
-        self._pinned = _host_register(worker.region)
-        self._stream = torch.cuda.Stream(device=self._device)
-        self._jobs: deque[_CudaJob] = deque()
-
-    def submit(self, batch: Batch) -> None:
-        job = _CudaJob(
-            batch,
-            torch.cuda.Event(enable_timing=True),
-            torch.cuda.Event(enable_timing=True),
-            [],
-        )
-        self._stream.wait_stream(torch.cuda.current_stream(self._device))
-        with torch.cuda.stream(self._stream):
-            job.start.record(self._stream)
-            try:
-                for seg in batch.segments:
-                    job.keep.extend(self._enqueue(batch.direction, seg))
-            except Exception as exc:  # reported as success=False
-                job.error = repr(exc)
-            finally:
-                job.end.record(self._stream)
-        self._jobs.append(job)
-
-    def _to_device(self, ids: IntArray) -> torch.Tensor:
-        pinned = torch.from_numpy(ids).pin_memory()
-        return pinned.to(self._device, non_blocking=True)
-
-    def _enqueue(self, direction: Direction, seg: Segment) -> list[torch.Tensor]:
-        """Queue one segment's copies on the current (copy) stream."""
-        index = self._to_device(seg.engine_ids)
-        staging = torch.empty(
-            (seg.engine_ids.size, self._host.shape[1]),
-            dtype=torch.uint8,
-            device=self._device,
-        )
-        members = zip(self._layout.groups[seg.group], self._layout.offsets[seg.group], strict=True)
-        rows = np.arange(seg.slot_ids.size, dtype=np.int64)
-        runs = coalesce_runs(rows, seg.slot_ids)
-        if direction == "store":
-            for t, off in members:
-                page = self._layout.page_bytes[t]
-                staging[:, off : off + page] = self._tensors[t].index_select(0, index)
-            for row, slot, n in runs:
-                self._host[slot : slot + n].copy_(staging[row : row + n], non_blocking=True)
-        else:
-            for row, slot, n in runs:
-                staging[row : row + n].copy_(self._host[slot : slot + n], non_blocking=True)
-            for t, off in members:
-                page = self._layout.page_bytes[t]
-                self._tensors[t].index_copy_(0, index, staging[:, off : off + page])
-        return [index, staging]
-
-    def _finished(self, job: _CudaJob) -> bool:
-        try:
-            return bool(job.end.query())
-        except RuntimeError as exc:
-            job.error = job.error or repr(exc)
-            return True
-
-    def poll(self) -> list[TransferResult]:
-        results = []
-        while self._jobs and self._finished(self._jobs[0]):
-            results.append(self._jobs.popleft().result())
-        return results
-
-    def wait(self, job_ids: set[int]) -> None:
-        for job in list(self._jobs):
-            if job.batch.job_id in job_ids:
-                try:
-                    job.end.synchronize()
-                except RuntimeError as exc:
-                    job.error = job.error or repr(exc)
-
-    def close(self) -> None:
-        self.wait({job.batch.job_id for job in self._jobs})
-        self._jobs.clear()
-        if self._pinned is not None:
-            _host_unregister(self._pinned)
-            self._pinned = None

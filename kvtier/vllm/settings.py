@@ -21,6 +21,7 @@ from kvtier.secrets import (
     misplaced_at,
     redact_url,
 )
+from kvtier.slots.jobs import CUDA_COPY_MODES, CudaCopy
 from kvtier.tiers.cascade import DEFAULT_PROMOTION_TIMEOUT_S, WRITE_POLICIES
 from kvtier.tiers.disk_lookups import LOOKUP_MODES
 
@@ -101,6 +102,10 @@ class KVTierSettings:
     """An identity of the weights the operator vouches for (e.g. the
     checkpoint's digest), used instead of kvtier's fingerprint of the weights
     files; needed when the weights are not local files."""
+    cuda_copy: CudaCopy = "auto"
+    """How blocks cross between a CUDA engine's KV cache and the CPU slots:
+    "memcpy" (copy engines, no SM time), "mapped" (one kernel per batch: fast
+    for scattered small blocks, takes SM time) or "auto" (``kvtier.slots.cuda``)."""
 
     def __repr__(self) -> str:
         """The fields as a dataclass shows them, but the Redis URL's password
@@ -204,6 +209,9 @@ class KVTierSettings:
         if ttl is not None and not is_positive_seconds(ttl):
             raise ConfigError(f"redis_ttl_s must be a finite number of seconds > 0 (or "
                               f"unset), got {ttl!r}")
+        if self.cuda_copy not in CUDA_COPY_MODES:
+            raise ConfigError(f"cuda_copy must be one of {list(CUDA_COPY_MODES)}, "
+                              f"got {self.cuda_copy!r}")
         if not isinstance(self.eviction_policy, str):
             raise ConfigError(f"eviction_policy must be a str, got {self.eviction_policy!r}")
         try:

@@ -283,7 +283,12 @@ class KVTierSpec(OffloadingSpec):
             region = create_worker_region(self.config.engine_id, self.config.parallel.rank,
                                           self.num_slots, self.slot_bytes)
             try:
-                self._worker = VllmSlotWorker(kv_caches, region, own_region=True)
+                self._worker = VllmSlotWorker(
+                    kv_caches,
+                    region,
+                    cuda_copy=self.settings.cuda_copy,
+                    own_region=True,
+                )
             except BaseException:
                 region.close()
                 raise

@@ -19,6 +19,7 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.base import TransferResult as VllmTransferResult
 
+from kvtier.slots.jobs import CudaCopy
 from kvtier.slots.region import SlotRegion
 from kvtier.slots.worker import TransferWorker, as_block_bytes
 
@@ -55,6 +56,7 @@ class VllmSlotWorker(OffloadingWorker):
         *,
         blocks_per_chunk: int = 1,
         copy_threads: int = 1,
+        cuda_copy: CudaCopy = "auto",
         own_region: bool = False,
     ) -> None:
         if blocks_per_chunk != 1:
@@ -76,6 +78,7 @@ class VllmSlotWorker(OffloadingWorker):
             region,
             groups=group_tensor_indices(kv_caches),
             copy_threads=copy_threads,
+            cuda_copy=cuda_copy,
         )
 
     def submit_store(
