@@ -20,6 +20,7 @@ from kvtier.leases import (
     LeaseTable,
     leased_prefix,
 )
+from kvtier.lookup_counts import LookupCounts
 from kvtier.policies import EvictionPolicy, make_policy
 from kvtier.request import RequestContext
 from kvtier.results import LoadSpec, LookupResult, PrepareStoreOutput
@@ -48,8 +49,10 @@ class OffloadManager:
       ``max_lease_holders``, events by ``max_events``; per-request state lives
       in the caller's ``RequestContext``. ``debug_state()`` reports each size.
 
-    Hits and misses count keys: ``lookup`` of k keys with n hits adds n hits
-    and k - n misses; ``lookup_one`` counts HIT and MISS, not HIT_PENDING.
+    Hits and misses count keys once per request (``kvtier.lookup_counts``):
+    ``lookup`` of k keys with n hits adds the hits not yet leased to the
+    request and k - n misses; ``lookup_one`` counts HIT and MISS, not
+    HIT_PENDING.
     """
 
     def __init__(
@@ -97,7 +100,8 @@ class OffloadManager:
         self._reset_counters()
 
     def _reset_counters(self) -> None:
-        self.hits = self.misses = self.stores = self.evictions = 0
+        self.lookups = LookupCounts()
+        self.stores = self.evictions = 0
         self.allocation_failures = 0
 
     # -- request state -------------------------------------------------------
@@ -153,10 +157,11 @@ class OffloadManager:
             if key not in slot or key in writing:
                 break
             hits += 1
+        leased_before = len(ctx.leased)
         if hits:
             hits = self._lease_run(keys, hits, ctx, now)
-        self.hits += hits
-        self.misses += len(keys) - hits
+        self.lookups.count(ctx, len(ctx.leased) - leased_before,
+                           keys[hits] if hits < len(keys) else None, len(keys) - hits)
         return hits
 
     def _lease_run(self, keys: list[bytes], hits: int, ctx: RequestContext, now: float) -> int:
@@ -193,10 +198,11 @@ class OffloadManager:
         if key in self._writing:
             return LookupResult.HIT_PENDING
         now = self._expire_leases()
+        fresh = key not in ctx.leased
         if key not in self._slot or self._lease_run([key], 1, ctx, now) == 0:
-            self.misses += 1
+            self.lookups.count(ctx, 0, key, 1)
             return LookupResult.MISS
-        self.hits += 1
+        self.lookups.count(ctx, int(fresh), None, 0)
         return LookupResult.HIT
 
     def release(self, ctx: RequestContext) -> None:
@@ -596,8 +602,8 @@ class OffloadManager:
             "write_pending": len(self._writing),
             "unevictable": len(self._holds.blocked),
             "free": len(self._free),
-            "hits": self.hits,
-            "misses": self.misses,
+            "hits": self.lookups.hits,
+            "misses": self.lookups.misses,
             "stores": self.stores,
             "evictions": self.evictions,
             "stores_skipped": self.store_gate.skipped,

@@ -114,7 +114,38 @@ def test_hits_and_misses_count_keys() -> None:
     assert mgr.lookup_one(d, r) is LookupResult.HIT_PENDING
     assert mgr.lookup_one(c, r) is LookupResult.MISS
     assert mgr.lookup_one(a, r) is LookupResult.HIT
+    # asked again by the same request: already counted
+    assert (mgr.stats()["hits"], mgr.stats()["misses"]) == (2, 2)
+    other = request("o")
+    assert mgr.lookup_one(c, other) is LookupResult.MISS
+    assert mgr.lookup_one(a, other) is LookupResult.HIT
     assert (mgr.stats()["hits"], mgr.stats()["misses"]) == (3, 3)
+
+
+@pytest.mark.parametrize("per_key", [False, True], ids=["lookup", "lookup_one"])
+def test_a_waiting_request_asking_every_step_is_counted_once(per_key: bool) -> None:
+    # vLLM asks again for a waiting request's blocks at every scheduler step
+    mgr = OffloadManager(8)
+    ks = keys(range(4))
+    fill(mgr, ks[:2])
+    r = request("r", ks)
+
+    def ask() -> None:
+        if per_key:  # as vLLM 0.32 does: key by key up to the first miss
+            for k in ks:
+                if mgr.lookup_one(k, r) is not LookupResult.HIT:
+                    break
+        else:
+            mgr.lookup(ks, r)
+
+    for _ in range(5):
+        ask()
+    misses = 1 if per_key else 2
+    assert (mgr.stats()["hits"], mgr.stats()["misses"]) == (2, misses)
+    fill(mgr, ks[2:3])  # a block found later counts as a hit too
+    ask()
+    ask()
+    assert (mgr.stats()["hits"], mgr.stats()["misses"]) == (3, misses + 1)
 
 
 def test_store_eviction_and_failure_counters() -> None:

@@ -93,6 +93,7 @@ class ManagerMachine(RuleBasedStateMachine):
         self.writing: set[bytes] = set()
         self.pins: Counter[bytes] = Counter()
         self.leased: list[set[bytes]] = [set() for _ in range(N_REQUESTS)]
+        self.last_miss: list[bytes | None] = [None] * N_REQUESTS
         self.counted: list[set[bytes]] = [set() for _ in range(N_REQUESTS)]
         self.skipped: list[set[bytes]] = [set() for _ in range(N_REQUESTS)]
         self.owed_loads: list[list[tuple[bytes, int]]] = [[] for _ in range(N_REQUESTS)]
@@ -157,11 +158,18 @@ class ManagerMachine(RuleBasedStateMachine):
         elif not self._ready(k):
             assert r is LookupResult.MISS
         if r is LookupResult.HIT:  # out of lease budget, a MISS is also right
+            self.counters["hits"] += k not in self.leased[i]  # once per request
             self.leased[i].add(k)
-            self.counters["hits"] += 1
         else:
             assert r is LookupResult.MISS
-            self.counters["misses"] += 1
+            self._count_misses(i, k, 1)
+
+    def _count_misses(self, i: int, first_missed: bytes, misses: int) -> None:
+        """Misses count unless the request's last counted lookup missed at the
+        same key (a waiting request asking again)."""
+        if first_missed != self.last_miss[i]:
+            self.counters["misses"] += misses
+            self.last_miss[i] = first_missed
 
     def _lookup(self, i: int, ks: list[bytes]) -> int:
         n = self.mgr.lookup(ks, self.ctxs[i])
@@ -173,9 +181,11 @@ class ManagerMachine(RuleBasedStateMachine):
             assert n == run
         else:
             assert n <= run
+        held = len(self.leased[i])
         self.leased[i].update(ks[:n])
-        self.counters["hits"] += n
-        self.counters["misses"] += len(ks) - n
+        self.counters["hits"] += len(self.leased[i]) - held
+        if n < len(ks):
+            self._count_misses(i, ks[n], len(ks) - n)
         return n
 
     # -- loads -------------------------------------------------------------------------
@@ -365,6 +375,7 @@ class ManagerMachine(RuleBasedStateMachine):
         self.mgr.on_request_finished(ctx)
         self._positions(ctx)
         self.leased[i].clear()
+        self.last_miss[i] = None
         self.counted[i].clear()
         self.skipped[i].clear()
         self.last_offer[i] = None
@@ -386,6 +397,7 @@ class ManagerMachine(RuleBasedStateMachine):
         self.pins.clear()
         for s in (*self.leased, *self.counted, *self.skipped):
             s.clear()
+        self.last_miss = [None] * N_REQUESTS
 
     @invariant()
     def events_match(self) -> None:

@@ -18,8 +18,9 @@ from kvtier.tiers.disk_lookups import DEFAULT_LOOKUP_TIMEOUT_S
 METRIC_PREFIX = "vllm:kvtier_"
 
 COUNTERS = {
-    "hits": "Block lookups answered from kvtier's CPU tier.",
-    "misses": "Block lookups kvtier could not answer.",
+    "hits": "Blocks found in kvtier's CPU tier, once per request (a request asking "
+            "again while it waits is not counted again).",
+    "misses": "Blocks asked for and not found in kvtier's CPU tier, once per request.",
     "stores": "Blocks stored into kvtier's CPU tier.",
     "evictions": "Blocks evicted from kvtier's CPU tier.",
     "stores_skipped": "Store candidates refused by admission (store_threshold).",
