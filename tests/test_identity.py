@@ -243,6 +243,17 @@ def test_unshared_keys_reason_names_the_fast_hashes_without_a_seed() -> None:
     assert unshared_keys_reason(None, {}) is None  # no engine config: nothing to say
 
 
+def test_an_engine_serving_lora_adapters_is_told_to_rename_retrained_ones() -> None:
+    from types import SimpleNamespace
+
+    from kvtier.vllm.identity import lora_reason
+
+    reason = lora_reason(SimpleNamespace(lora_config=SimpleNamespace(max_loras=4)))
+    assert reason is not None and "max_loras=4" in reason and "new name or path" in reason
+    assert lora_reason(SimpleNamespace(lora_config=None)) is None
+    assert lora_reason(None) is None
+
+
 def test_no_home_directory_means_no_remembered_digests(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # a container user with no passwd entry and no $HOME: fingerprint anyway

@@ -155,3 +155,22 @@ def model_identity(vllm_config: Any, vouched: str | None = None) -> ModelIdentit
                 "in full, the others' digests known) in %.3f s",
                 digest.files, digest.bytes / 1e9, digest.read, digest.seconds)
     return ModelIdentity(weights=digest.digest, config=config)
+
+
+def lora_reason(vllm_config: Any) -> str | None:
+    """Why a disk/Redis tier may serve an adapter's request stale KV, with the
+    fix; None when the engine serves no LoRA adapters (or the config is unknown).
+
+    vLLM keys a block of an adapter's request by the adapter's name and path,
+    not its weights, and the offloading interface does not say which adapter a
+    request uses, so kvtier cannot fingerprint adapters as it does the model.
+    """
+    lora = getattr(vllm_config, "lora_config", None)
+    if lora is None:
+        return None
+    return (
+        f"LoRA is enabled (max_loras={getattr(lora, 'max_loras', '?')}): vLLM keys an "
+        "adapter's blocks by the adapter's name and path, not its weights, so the "
+        "disk/Redis tier serves an adapter retrained in place the KV of its old weights. "
+        "Give a retrained adapter a new name or path"
+    )

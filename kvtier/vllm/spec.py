@@ -28,7 +28,7 @@ from kvtier.tiers.namespace import namespace_of
 from kvtier.tiers.ranks import RankedTier, RankRegions
 from kvtier.vllm.adapter import KVTierOffloadingManager
 from kvtier.vllm.block_hashing import unshared_keys_reason
-from kvtier.vllm.identity import find_vllm_config, model_identity
+from kvtier.vllm.identity import find_vllm_config, lora_reason, model_identity
 from kvtier.vllm.metrics import metric_definitions
 from kvtier.vllm.settings import ConfigError, KVTierSettings
 from kvtier.vllm.worker import VllmSlotWorker
@@ -186,9 +186,9 @@ class KVTierSpec(OffloadingSpec):
                 "disk_path/redis_url support tensor parallel engines, not pipeline parallel "
                 f"ones (pp_size={self.config.parallel.pp_size}): ranks' blocks differ in size"
             )
-        reason = unshared_keys_reason(self._vllm_config)
-        if reason is not None:
-            logger.warning("kvtier: %s", reason)
+        for reason in (unshared_keys_reason(self._vllm_config), lora_reason(self._vllm_config)):
+            if reason is not None:
+                logger.warning("kvtier: %s", reason)
         tiers: list[Tier] = []
         policies: list[WritePolicy] = []
         thresholds: list[int] = []
