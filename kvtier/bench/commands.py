@@ -92,17 +92,20 @@ def add_bench_parser(commands: Any) -> None:
     p.add_argument("--model-dir", type=Path, default=None, metavar="DIR",
                    help="the tiny model (built there if missing; default "
                    f"{DEFAULT_MODEL_DIR_TEXT})")
-    p.add_argument("--configs", type=_configs, default=serving.CONFIGS,
+    # --configs, --traffic, --regimes, --cpu-blocks: None when not given
+    # (settings_from: the defaults; with --summarize, those of the runs)
+    p.add_argument("--configs", type=_configs, default=None,
                    metavar="C[,C...]",
-                   help=f"none, vllm-lru, or POLICY[+disk] (default {','.join(serving.CONFIGS)})")
-    p.add_argument("--traffic", type=_names(serving.TRAFFIC), default=serving.TRAFFIC,
+                   help=f"none, vllm-lru, or POLICY[+disk] (default {','.join(serving.CONFIGS)}; "
+                   "with --summarize, those of the runs)")
+    p.add_argument("--traffic", type=_names(serving.TRAFFIC), default=None,
                    metavar="T[,T...]", help="bundled (the Mooncake trace) and/or generated "
                    f"(kvtier generate {serving.GENERATED_KIND}; default "
                    f"{','.join(serving.TRAFFIC)})")
-    p.add_argument("--regimes", type=_names(serving.REGIMES), default=serving.REGIMES,
+    p.add_argument("--regimes", type=_names(serving.REGIMES), default=None,
                    metavar="R[,R...]", help="paced (trace timestamps) and/or saturating "
                    f"(default {','.join(serving.REGIMES)})")
-    p.add_argument("--cpu-blocks", type=_sizes, default=(1000, 4000), metavar="N[,N...]",
+    p.add_argument("--cpu-blocks", type=_sizes, default=None, metavar="N[,N...]",
                    help="CPU-tier sizes in engine blocks (default 1000,4000: 2x and 8x the "
                    "engine cache)")
     p.add_argument("--gpu-blocks", type=positive_int, default=500, metavar="N",
@@ -187,9 +190,17 @@ def _check_out(out: Path) -> None:
         raise CommandError(f"--out {out}: not a directory")
 
 
-def settings_from(args: argparse.Namespace, build_model: bool = True) -> serving.BenchSettings:
+SELECTIONS = {"configs": "config", "traffic": "traffic", "regimes": "regime",
+              "cpu_blocks": "cpu_blocks"}
+"""Options choosing which runs (``BenchSettings`` field: ``RunResult`` field)."""
+
+
+def settings_from(args: argparse.Namespace, build_model: bool = True,
+                  runs: list[serving.RunResult] | None = None) -> serving.BenchSettings:
     """The benchmark's settings from the command line; the tiny model built
-    unless ``build_model`` is false. ``ValueError`` for a bad ``--speedup``."""
+    unless ``build_model`` is false. ``ValueError`` for a bad ``--speedup``.
+    ``SELECTIONS`` not given: those of ``runs`` (in their order) when given,
+    else ``BenchSettings``' defaults."""
     from kvtier.demo.tiny_model import build_tiny_llama, default_model_dir
 
     if not _is_speedup(args.speedup):
@@ -197,20 +208,30 @@ def settings_from(args: argparse.Namespace, build_model: bool = True) -> serving
     model = args.model_dir or default_model_dir()
     if build_model:
         model = build_tiny_llama(model)
+    chosen: dict[str, Any] = {}
+    for name, field in SELECTIONS.items():
+        value = getattr(args, name, None)
+        if value is None and runs:
+            value = tuple(dict.fromkeys(getattr(r, field) for r in runs))
+        if value is not None:
+            chosen[name] = value
     return serving.BenchSettings(
-        model=model, out=args.out, configs=args.configs, traffic=args.traffic,
-        regimes=args.regimes, cpu_blocks=args.cpu_blocks, gpu_blocks=args.gpu_blocks,
+        model=model, out=args.out, gpu_blocks=args.gpu_blocks,
         requests=args.requests, repeats=args.repeats, speedup=args.speedup,
-        concurrency=args.concurrency, trace=args.trace)
+        concurrency=args.concurrency, trace=args.trace, **chosen)
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
     """Run (or resume) the plan, then write summary.json, summary.txt and plot.png."""
     try:
         s = settings_from(args, build_model=not args.summarize)
+        if args.summarize:
+            results = _stored_runs(s)
+            s = settings_from(args, build_model=False, runs=results)
     except ValueError as exc:
         raise CommandError(str(exc)) from None
-    results = _stored_runs(s) if args.summarize else _run(s, args.resume)
+    if not args.summarize:
+        results = _run(s, args.resume)
     rows = serving.summarize(results, s)
     if not rows:
         raise CommandError(
@@ -262,6 +283,18 @@ def _run(s: serving.BenchSettings, resume: bool) -> list[serving.RunResult]:
         progress.close()
 
 
+def _nan_as_null(value: Any) -> Any:
+    """``value`` with every NaN (a figure no run measured) as None: strict JSON
+    has no NaN."""
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _nan_as_null(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_nan_as_null(v) for v in value]
+    return value
+
+
 def _write_summary(rows: list[serving.Row], out: Path) -> None:
     """summary.txt, summary.json and plot.png in ``out``, each written whole;
     the table on stdout."""
@@ -269,6 +302,7 @@ def _write_summary(rows: list[serving.Row], out: Path) -> None:
 
     lines = list(serving.table(rows))
     write_atomic(out / "summary.txt", "\n".join(lines) + "\n")
-    write_atomic(out / "summary.json", json.dumps([asdict(r) for r in rows], indent=1))
+    records = [_nan_as_null(asdict(r)) for r in rows]
+    write_atomic(out / "summary.json", json.dumps(records, indent=1, allow_nan=False))
     serving.plot(rows, out / "plot.png")
     print("\n".join(lines))

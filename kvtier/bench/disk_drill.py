@@ -221,6 +221,8 @@ class DiskRound:
 
     def failures(self, with_engine: bool) -> list[str]:
         out = [f"round {self.round}: {f}" for f in self.check.failures()]
+        if self.writer_acked <= 0:  # else every check of the writer's blocks is vacuous
+            out.append(f"round {self.round}: the writer stored nothing before the kill")
         if not with_engine:
             return out
         if self.fixed_identical is not True:

@@ -49,7 +49,7 @@ from kvtier.bench.serving import (
     kvtier_serve_argv,
 )
 from kvtier.launch import vllm_command
-from kvtier.server_process import ServerProcess
+from kvtier.server_process import ServerError, ServerProcess
 from kvtier.tiers.cascade import DEFAULT_PROMOTION_TIMEOUT_S
 from kvtier.tiers.probes import DEFAULT_PROBE_TIMEOUT_S
 
@@ -250,7 +250,9 @@ def _load_with_fault(s: FaultSettings, fault: str, st: Stage, server: ServerProc
                      trace: Path, work: Path) -> FaultResult:
     before = probe(server.url, s.model)
     result_file = work / "results" / f"{fault}.json"
-    with open(work / "logs" / f"{fault}.client.log", "wb") as log:
+    result_file.unlink(missing_ok=True)  # an earlier command's: never this run's figures
+    client_log = work / "logs" / f"{fault}.client.log"
+    with open(client_log, "wb") as log:
         client = subprocess.Popen(client_argv(s, trace, server.url, result_file),
                                   stdout=log, stderr=subprocess.STDOUT,
                                   env={**os.environ, "PYTHONHASHSEED": "0"})
@@ -265,6 +267,9 @@ def _load_with_fault(s: FaultSettings, fault: str, st: Stage, server: ServerProc
             if client.poll() is None:
                 client.send_signal(signal.SIGKILL)
                 client.wait()
+    if client.returncode != 0 or not result_file.is_file():
+        raise ServerError(f"the {fault} run's client (vllm bench serve) exited with status "
+                          f"{client.returncode} without its results; see {client_log}")
     after = probe(server.url, s.model)
     samples = prom.scrape(server.url)
     detail = json.loads(result_file.read_text())

@@ -114,6 +114,8 @@ class RedisKill:
                        f"{self.breaker_opened}, errors {self.tier_errors})")
         if self.breaker_closed_s is None:
             out.append(f"{name}: the tier did not come back")
+        if self.writer_acked <= 0:  # else `acked_lost` 0 and `writer_found` 0 say nothing
+            out.append(f"{name}: no writer SET acknowledged before the kill")
         if self.writer_wrong:
             out.append(f"{name}: {self.writer_wrong} writer values wrong")
         if self.fixed_identical is not True:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import statistics
 import sys
@@ -71,6 +72,9 @@ RUN_SETTINGS = {
 }
 """The settings that change a run's figures but not its key (``RunResult.key``),
 each with how a message names it; ``run_settings`` adds the traces' digests."""
+SUMMARY_FILES = ("summary.txt", "summary.json", "plot.png")
+"""Beside ``RUNS_FILE``: what ``kvtier bench serve`` makes of its runs; moved
+aside with them (a summary of runs no longer in ``RUNS_FILE`` misleads)."""
 
 
 @dataclass(frozen=True)
@@ -278,10 +282,16 @@ def run_one(s: BenchSettings, config: str, scenario: Scenario, repeat: int,
                               f"start: {reason}; see {server.log_path}") from exc
         try:
             env = {**os.environ, "PYTHONHASHSEED": "0"}  # the client seeds prompts by hash()
-            with open(work / "logs" / f"{name}.client.log", "wb") as log:
-                subprocess.run(client_argv(s, scenario, trace, server.url, work / "results",
-                                           name + ".json"),
-                               stdout=log, stderr=subprocess.STDOUT, env=env, check=True)
+            client_log = work / "logs" / f"{name}.client.log"
+            try:
+                with open(client_log, "wb") as log:
+                    subprocess.run(client_argv(s, scenario, trace, server.url,
+                                               work / "results", name + ".json"),
+                                   stdout=log, stderr=subprocess.STDOUT, env=env, check=True)
+            except subprocess.CalledProcessError as exc:
+                raise ServerError(f"the client (vllm bench serve) of {config} on "
+                                  f"{scenario.label} r{repeat} exited with status "
+                                  f"{exc.returncode}; see {client_log}") from exc
             samples = prom.scrape(server.url)
         finally:
             server.stop()
@@ -474,9 +484,10 @@ def resumed_runs(work: Path, settings: dict[str, Any]) -> dict[tuple[Any, ...], 
 
 def start_afresh(work: Path, settings: dict[str, Any],
                  say: Callable[[str], None] | None = None) -> None:
-    """Move earlier runs (and their settings) aside, ``say`` where, and write
+    """Move earlier runs (their settings and summary) aside, ``say`` where, and write
     ``settings`` as the new runs' ``SETTINGS_FILE``."""
-    moved = move_aside(work / RUNS_FILE, work / SETTINGS_FILE)
+    moved = move_aside(work / RUNS_FILE, work / SETTINGS_FILE,
+                       *(work / name for name in SUMMARY_FILES))
     if moved is not None and say is not None:
         aside = work / f"{SETTINGS_FILE}{moved.suffix}"
         kept = f", their settings in {aside}" if aside.is_file() else ""
@@ -591,10 +602,12 @@ def _median(values: Sequence[float]) -> float:
 
 
 def _vs(medians: dict[str, Any], reference: dict[str, Any] | None, name: str) -> float | None:
-    """``name``'s median over the reference's; None without a reference or at 0."""
+    """``name``'s median over the reference's; None without a reference, at 0,
+    or when either was not measured (NaN: no run completed a request)."""
     if not reference or not reference[name]:
         return None
-    return float(medians[name]) / float(reference[name])
+    ratio = float(medians[name]) / float(reference[name])
+    return None if math.isnan(ratio) else ratio
 
 
 def summarize(results: Sequence[RunResult], s: BenchSettings) -> list[Row]:
@@ -631,13 +644,19 @@ def summarize(results: Sequence[RunResult], s: BenchSettings) -> list[Row]:
 
 
 def _medians(runs: Sequence[RunResult]) -> dict[str, Any]:
-    """Median of each figure over ``runs`` (counts summed); {} without runs."""
+    """Median of each figure over ``runs`` (counts summed); {} without runs.
+
+    TTFTs are medians over the runs that completed a request: ``vllm bench
+    serve`` reports 0 ms for a run in which every request failed, which is no
+    measurement (NaN when no run completed one)."""
     if not runs:
         return {}
     sources = sorted({k for r in runs for k in r.cached_by_source})
     out: dict[str, Any] = {name: _median([getattr(r, name) for r in runs]) for name in (
-        "throughput", "ttft_mean_ms", "ttft_p50_ms", "ttft_p99_ms", "hit_ratio",
-        "dropped_writes")}
+        "throughput", "hit_ratio", "dropped_writes")}
+    answered = [r for r in runs if r.completed > 0]
+    out.update({name: _median([getattr(r, name) for r in answered]) if answered
+                else math.nan for name in ("ttft_mean_ms", "ttft_p50_ms", "ttft_p99_ms")})
     out.update(repeats=len(runs), completed=sum(r.completed for r in runs),
                failed=sum(r.failed for r in runs),
                cached_by_source={k: _median([r.cached_by_source.get(k, 0.0) for r in runs])
@@ -660,7 +679,8 @@ def table(rows: Sequence[Row]) -> Iterator[str]:
         if (r.traffic, r.regime) != last:
             last = (r.traffic, r.regime)
             yield ""
-            yield f"{r.traffic} trace, {r.regime} (medians of {r.repeats} runs)"
+            group = [g for g in rows if (g.traffic, g.regime) == last]
+            yield f"{r.traffic} trace, {r.regime} ({_repeats(group)})"
             yield ("{:<13} {:>5} {:>5} {:>4} {:>6} {:>10} {:>8} {:>8} {:>7} {:>8} {:>8} "
                    "{:>9} {:>8} {:>8} {:>9} {:>9} {:>7}").format(*TABLE)
         src = r.cached_by_source
@@ -671,6 +691,18 @@ def table(rows: Sequence[Row]) -> Iterator[str]:
                f"{ratio(r.ttft_p99_vs_peer):>8} {ratio(r.hit_vs_peer):>8} "
                f"{src.get('host', 0):>9.0f} {src.get('disk', 0):>9.0f} "
                f"{r.dropped_writes:>7.0f}")
+
+
+def _repeats(rows: Sequence[Row]) -> str:
+    """How many runs the medians of ``rows`` (one traffic and regime) take;
+    the rows with fewer named, when they differ (``--summarize`` of an
+    interrupted benchmark)."""
+    most = max(r.repeats for r in rows)
+    fewer = [f"{r.config} {r.cpu_blocks}: {r.repeats}" for r in rows if r.repeats < most]
+    if not fewer:
+        return f"medians of {most} runs"
+    least = min(r.repeats for r in rows)
+    return f"medians of {least}-{most} runs; fewer than {most}: {', '.join(fewer)}"
 
 
 def plot(rows: Sequence[Row], out: Path) -> None:

@@ -23,6 +23,9 @@ class DelegatingTier(Tier):
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
         return self.inner.contains(keys)
 
+    def contains_waiting(self, keys: Sequence[bytes]) -> list[bool]:
+        return self.inner.contains_waiting(keys)
+
     def get_into(self, keys: Sequence[bytes], buffers: Sequence[BytesLike]) -> list[int | None]:
         return self.inner.get_into(keys, buffers)
 
@@ -40,6 +43,9 @@ class DelegatingTier(Tier):
 
     def take_events(self) -> list[TierEvent]:
         return self.inner.take_events()
+
+    def debug_state(self) -> dict[str, int]:
+        return self.inner.debug_state()
 
     @property
     def available(self) -> bool:
