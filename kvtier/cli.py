@@ -442,6 +442,9 @@ def _cmd_replay_tiered(args: argparse.Namespace, path: Path, keys: list[list[byt
     if args.driver != "sequential" or args.bounds or args.plot is not None or not policies:
         raise CommandError("--disk-blocks runs the sequential driver over real policies "
                            "only (no --driver engine, --bounds, --plot, opt or infinite)")
+    if args.block_bytes is not None:  # its rows have no bytes_written to scale
+        raise CommandError("--block-bytes does not apply to --disk-blocks (its rows count "
+                           "disk_writes in blocks)")
     from kvtier.server_process import sigterm_as_exit
 
     with sigterm_as_exit():  # SIGTERM, as SIGINT does, removes the disk tier's directory

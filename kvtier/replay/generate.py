@@ -250,9 +250,12 @@ TENANT_ID_STRIDE = 1 << 40
 def _tenants(b: _Builder, n: int) -> None:
     """Each tenant's own trace at its share of the arrival rate, merged by time."""
     merged: list[TraceRequest] = []
+    counts = [max(1, round(n * share)) for _, share in TENANTS]
+    for t in range(n - sum(counts)):  # rounding down left requests out: add them,
+        counts[t % len(counts)] += 1  # so the trace has n requests
     for t, (kind, share) in enumerate(TENANTS):
         sub = _Builder(random.Random(f"{b.rng.random()}-{kind}"))
-        KINDS[kind](sub, max(1, round(n * share)))
+        KINDS[kind](sub, counts[t])
         for r in sub.requests:
             merged.append(TraceRequest(int(r.timestamp / share), r.input_length,
                                        r.output_length,

@@ -7,9 +7,11 @@ The rules are those of ``kvtier.replay.driver``: requests run in file order;
 a request's prefix hit is the leading run of its resident blocks; its missing
 blocks are stored as far as the cache admits them (a declined block declines
 the rest of the offer, as kvtier's admission does), evicting blocks of other
-requests only; then its blocks are used head to tail, so its head ends most
-recent. ``LRUCache`` equals ``kvtier replay --policy lru`` block for block
-(tests/test_foresight.py checks it).
+requests only, and not at all when that cannot make room for them (the
+manager refuses such an offer whole); then its blocks are used head to tail,
+so its head ends most recent. ``LRUCache`` equals ``kvtier replay --policy
+lru`` block for block on traces whose requests do not repeat a hash id
+(tests/test_foresight.py and tests/test_replay_review.py check it).
 """
 
 from __future__ import annotations
@@ -50,17 +52,20 @@ class LRUCache:
     def serve(self, ids: Sequence[int]) -> None:
         """Store the request's missing blocks, then use all of them head to tail."""
         order = self.order
-        missing = [h for h in ids if h not in order]
+        missing = list(dict.fromkeys(h for h in ids if h not in order))  # each block once
         if missing:
             room = self.capacity - len(order)
-            missing = missing[:min(self.admitted(missing, room), self.capacity)]
+            missing = missing[:self.admitted(missing, room)]
             over = len(order) + len(missing) - self.capacity
             if over > 0:
                 protected = set(ids)
                 victims = list(islice((h for h in order if h not in protected), over))
+                if len(victims) < over:
+                    # as the manager's prepare_store: an offer that cannot be
+                    # made room for is refused whole (None), nothing evicted
+                    missing = victims = []
                 for h in victims:
                     del order[h]
-                missing = missing[:self.capacity - len(order)]
             for h in missing:
                 order[h] = None
         for h in reversed(ids):

@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvtier.leases import DEFAULT_MAX_LEASE_HOLDERS
+from kvtier.leases import DEFAULT_MAX_LEASE_HOLDERS, DEFAULT_MAX_LEASES_PER_REQUEST
 from kvtier.manager import OffloadManager
 from kvtier.policies import policy_class
 from kvtier.policies.plfu import PLFUPolicy
@@ -170,11 +170,12 @@ def bounds(config: SoakConfig, longest_request: int) -> dict[str, int]:
     jobs = 2 * MAX_QUEUE + IO_THREADS
     out = {f"manager.{n}": cpu for n in (
         "table", "free", "writing", "pinned", "leased", "reserved", "internal_pins",
-        "unevictable", "policy_size")}
+        "unevictable", "policy_size", "held_back")}
     out.update({
         "manager.tracker_size": config.max_tracker_size,
         "manager.history_size": config.eviction_history_size,
         "manager.lease_holders": DEFAULT_MAX_LEASE_HOLDERS + 1,
+        "manager.leases_held": (DEFAULT_MAX_LEASE_HOLDERS + 1) * DEFAULT_MAX_LEASES_PER_REQUEST,
         "manager.events": config.max_events,
         "cascade.uses": config.max_tracker_size,
         "cascade.due": cpu, "cascade.batched_promotions": cpu,
@@ -183,7 +184,7 @@ def bounds(config: SoakConfig, longest_request: int) -> dict[str, int]:
         "cascade.evicted_jobs": MAX_QUEUE,
         "cascade.queued_reads": MAX_QUEUE, "cascade.queued_writes": MAX_QUEUE,
         "cascade.done": 2 * jobs, "cascade.writes_in_flight": 3 * jobs,
-        "cascade.probe_jobs": 3 * jobs,
+        "cascade.probe_jobs": 3 * jobs, "cascade.running_promotions": 3 * jobs,
         "request.leftover": 0,
         "mix.chunks": len(config.kinds),
     })
