@@ -26,7 +26,8 @@ def hold_lock(fd: int) -> None:
 def is_locked(path: str | os.PathLike[str]) -> bool:
     """Whether a live process holds ``path``'s lock (``hold_lock``) now."""
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
+        # O_NONBLOCK: a FIFO at ``path`` would block a plain open until a writer came
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
                      | getattr(os, "O_NOFOLLOW", 0))
     except OSError:
         return False

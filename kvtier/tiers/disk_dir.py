@@ -271,7 +271,9 @@ def _block_entry(entry: os.DirEntry[str]) -> Scanned | None:
 
 def _stale_entry(entry: os.DirEntry[str], now: float, me: int, max_age_s: float) -> bool:
     try:
-        age = now - entry.stat(follow_symlinks=False).st_mtime
+        st = entry.stat(follow_symlinks=False)
     except OSError:
         return False
-    return stale_temp(entry.name, age, max_age_s, me) and not is_locked(entry.path)
+    if not stat.S_ISREG(st.st_mode):  # never a temp file of ours (a FIFO, a directory)
+        return False
+    return stale_temp(entry.name, now - st.st_mtime, max_age_s, me) and not is_locked(entry.path)

@@ -77,9 +77,10 @@ def add_disk_parser(commands: Any) -> None:
     p.set_defaults(func=cmd_disk_verify)
 
     p = actions.add_parser("purge", help="remove kvtier's blocks (or one namespace's)",
-                           description="Remove kvtier's block files, temp files and "
-                           "manifests, and its directories once empty. Anything else in "
-                           "PATH is left alone. Asks first unless --yes.")
+                           description="Remove kvtier's block files, temp files (not "
+                           "those of running writers) and manifests, and its directories "
+                           "once empty. Anything else in PATH is left alone. Asks first "
+                           "unless --yes.")
     _path_arguments(p)
     p.add_argument("--yes", action="store_true", help="do not ask for confirmation")
     p.set_defaults(func=cmd_disk_purge)
@@ -184,8 +185,8 @@ def cmd_disk_verify(args: argparse.Namespace) -> int:
 
     _, selected = _call(disk_admin.select, args.path, args.namespace)
     show_bar = not args.no_progress and sys.stderr.isatty()
-    progress = make_progress(disk_admin.count_blocks(selected) if show_bar else 0, show_bar,
-                             unit="block")
+    progress = make_progress(_call(disk_admin.count_blocks, selected) if show_bar else 0,
+                             show_bar, unit="block")
     progress.describe("verify")
 
     def on_bad(bad: BadBlock) -> None:
@@ -196,8 +197,8 @@ def cmd_disk_verify(args: argparse.Namespace) -> int:
                            + ("  (removed)" if bad.removed else ""))
 
     try:
-        summary = disk_admin.verify_disk(selected, repair=args.repair, on_bad=on_bad,
-                                    progress=progress.update)
+        summary = _call(disk_admin.verify_disk, selected, repair=args.repair, on_bad=on_bad,
+                        progress=progress.update)
     finally:
         progress.close()
     if args.json:
@@ -237,15 +238,18 @@ def cmd_disk_purge(args: argparse.Namespace) -> int:
     if not selected:
         print(f"nothing to purge: {root} holds no namespaces")
         return 0
-    if not args.yes and not _confirm_purge(root, selected):
+    if not args.yes and not _call(_confirm_purge, root, selected):
         print(f"{PROG}: purge cancelled, nothing removed", file=sys.stderr)
         return 1
-    s = disk_admin.purge_disk(selected)
+    s = _call(disk_admin.purge_disk, selected)
     print(f"removed {plural(s.blocks, 'block')} ({human_bytes(s.bytes)}), "
           f"{plural(s.temp_files, 'temp file')} and {plural(s.manifests, 'manifest')} "
           f"from {plural(s.namespaces, 'namespace')}; "
           f"{plural(s.namespace_dirs_removed, 'namespace directory', 'namespace directories')}"
           " removed")
+    if s.temp_in_use:
+        print(f"left alone: {plural(s.temp_in_use, 'temp file')} of "
+              f"{'a running writer' if s.temp_in_use == 1 else 'running writers'}")
     if s.other_files:
         print(f"left alone: {plural(s.other_files, 'entry', 'entries')} that "
               f"{'is' if s.other_files == 1 else 'are'} not kvtier's")

@@ -51,7 +51,8 @@ AGE_BUCKETS: tuple[tuple[str, float], ...] = (
 """Histogram of block ages (time since the file's mtime: its last write or read)."""
 MAX_BLOCK_FILE_BYTES = 1 << 30
 """Block files larger than this are reported bad without being read."""
-_O_READ = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
+_O_READ = (os.O_RDONLY | os.O_NONBLOCK  # a FIFO put at the path must not block the open
+           | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0))
 
 Namespaces = Sequence[tuple[str, Path]]
 """``(namespace, directory)`` pairs, from :func:`select`."""
@@ -378,6 +379,8 @@ class PurgeSummary:
     blocks: int = 0
     bytes: int = 0
     temp_files: int = 0
+    temp_in_use: int = 0
+    """Temp files of running writers (locked until their rename): left alone."""
     manifests: int = 0
     dirs_removed: int = 0
     namespace_dirs_removed: int = 0
@@ -392,8 +395,9 @@ class PurgeSummary:
 
 
 def purge_disk(selected: Namespaces) -> PurgeSummary:
-    """Remove kvtier's files of ``selected``: block files, temp files, manifests,
-    then the fan-out and namespace directories that are empty. Nothing else."""
+    """Remove kvtier's files of ``selected``: block files, temp files (but those
+    of running writers), manifests, then the fan-out and namespace directories
+    that are empty. Nothing else."""
     summary = PurgeSummary(namespaces=len(selected))
     for _, ns_dir in selected:
         _purge_namespace(ns_dir, summary)
@@ -404,6 +408,8 @@ def _purge_namespace(ns_dir: Path, summary: PurgeSummary) -> None:
     for entry in walk_namespace(ns_dir):
         if entry.kind == "other":
             summary.other_files += 1
+        elif entry.kind == "temp" and is_locked(entry.path):
+            summary.temp_in_use += 1  # a running writer's: its rename would fail
         elif _unlink(entry.path, summary):
             if entry.kind == "block":
                 summary.blocks += 1

@@ -126,44 +126,43 @@ def _is_namespace_dir(entry: os.DirEntry[str]) -> bool:
 def walk_namespace(ns_dir: Path) -> Iterator[Entry]:
     """Every entry of a namespace directory and its fan-out subdirectories, except
     the manifest; the fan-out directories themselves are not yielded."""
-    try:
-        top = os.scandir(ns_dir)
-    except FileNotFoundError:
-        return
-    with top:
-        for entry in top:
-            if entry.name == MANIFEST_NAME and entry.is_file(follow_symlinks=False):
-                continue
-            if _FAN_OUT_NAME.fullmatch(entry.name) and entry.is_dir(follow_symlinks=False):
-                yield from _walk_fan_out(entry.path, entry.name)
-            else:
-                made = _entry(entry, "")  # not in a fan-out directory: "other"
-                if made is not None:
-                    yield made
+    for entry in _scandir(ns_dir):
+        if entry.name == MANIFEST_NAME and entry.is_file(follow_symlinks=False):
+            continue
+        if _FAN_OUT_NAME.fullmatch(entry.name) and entry.is_dir(follow_symlinks=False):
+            yield from _walk_fan_out(entry.path, entry.name)
+        else:
+            made = _entry(entry, "")  # not in a fan-out directory: "other"
+            if made is not None:
+                yield made
 
 
 def fan_out_dirs(ns_dir: Path) -> Iterator[Path]:
     """The fan-out subdirectories (``00``..``ff``) of a namespace directory."""
-    try:
-        top = os.scandir(ns_dir)
-    except FileNotFoundError:
-        return
-    with top:
-        for entry in top:
-            if _FAN_OUT_NAME.fullmatch(entry.name) and entry.is_dir(follow_symlinks=False):
-                yield Path(entry.path)
+    for entry in _scandir(ns_dir):
+        if _FAN_OUT_NAME.fullmatch(entry.name) and entry.is_dir(follow_symlinks=False):
+            yield Path(entry.path)
 
 
 def _walk_fan_out(directory: str, fan_out: str) -> Iterator[Entry]:
+    for entry in _scandir(directory):
+        made = _entry(entry, fan_out)
+        if made is not None:
+            yield made
+
+
+def _scandir(directory: str | os.PathLike[str]) -> Iterator[os.DirEntry[str]]:
+    """The entries of ``directory``; none when it is gone (removed meanwhile, or
+    no longer a directory). :class:`AdminError` when it cannot be read (EIO,
+    EACCES): a walk that skipped it would report a partial tier as whole."""
     try:
-        entries = os.scandir(directory)
-    except FileNotFoundError:
+        with os.scandir(directory) as entries:
+            yield from entries
+    except (FileNotFoundError, NotADirectoryError):
         return
-    with entries:
-        for entry in entries:
-            made = _entry(entry, fan_out)
-            if made is not None:
-                yield made
+    except OSError as exc:
+        raise AdminError(f"{printable(os.fsdecode(directory), 4096)}: cannot read it: "
+                         f"{exc.strerror or exc}") from None
 
 
 def _entry(entry: os.DirEntry[str], fan_out: str) -> Entry | None:

@@ -158,8 +158,10 @@ def _count_page(client: Any, keys: list[bytes], report: RedisReport) -> None:
         pipe.strlen(key)
     lengths = pipe.execute(raise_on_error=False)
     for key, length in zip(keys, lengths, strict=True):
-        if isinstance(length, ResponseError):  # WRONGTYPE: not a kvtier value
-            report.other_keys += 1
+        if isinstance(length, ResponseError):
+            if not str(length).startswith("WRONGTYPE"):
+                raise length  # NOPERM (an ACL), MOVED (a cluster replica)...: not counted
+            report.other_keys += 1  # not a string: not a kvtier value
         elif isinstance(length, int) and length > 0:  # 0: removed since the SCAN
             ns = _namespace_of(key, report)
             if ns is None:
