@@ -176,6 +176,44 @@ def test_resume_refuses_runs_of_other_settings(
     assert (out / "runs.jsonl").read_text() == before and len(runs) == 2
 
 
+def test_resume_redoes_a_run_whose_line_was_cut_short(
+        tmp_path: Path, model: Path, trace: Path, runs: list[Any],
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A kill or a full disk mid-append leaves runs.jsonl's last line torn (no
+    newline, not JSON); `load_runs` refused the file ("not a run"), so
+    `--resume` did nothing until the user edited it. The torn line is left
+    out with a warning, and its run made again on a line of its own."""
+    out = tmp_path / "out"
+    assert main(_serve(out, model, trace)) == 0
+    whole, last = (out / "runs.jsonl").read_text().splitlines(keepends=True)
+    (out / "runs.jsonl").write_text(whole + last[:40])
+    capsys.readouterr()
+    assert main(_serve(out, model, trace, "--summarize")) == 0  # the whole runs
+    assert "runs.jsonl:2 is a run cut short" in capsys.readouterr().err
+    assert main(_serve(out, model, trace, "--resume")) == 0
+    assert "runs.jsonl:2 is a run cut short" in capsys.readouterr().err
+    assert [config for config, _, _ in runs] == ["none", "lru", "lru"]
+    text = (out / "runs.jsonl").read_text()
+    assert text.startswith(whole) and text.endswith("\n")
+    assert [r.config for r in serving.load_runs(out / "runs.jsonl")] == ["none", "lru"]
+    assert not list(out.glob("runs.jsonl.*"))
+
+
+def test_resume_still_refuses_a_malformed_line_before_the_last(
+        tmp_path: Path, model: Path, trace: Path, runs: list[Any],
+        capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "out"
+    assert main(_serve(out, model, trace)) == 0
+    first, last = (out / "runs.jsonl").read_text().splitlines(keepends=True)
+    for text in (first[:40] + "\n" + last, first + last.rstrip("\n") + "}\n"):
+        (out / "runs.jsonl").write_text(text)
+        capsys.readouterr()
+        assert main(_serve(out, model, trace, "--resume")) == 2
+        err = _error(capsys)
+        assert re.search(r"runs\.jsonl:[12]: not a run", err), err
+        assert (out / "runs.jsonl").read_text() == text and len(runs) == 2
+
+
 def test_resume_refuses_runs_whose_settings_are_unknown(
         tmp_path: Path, model: Path, trace: Path, runs: list[Any],
         capsys: pytest.CaptureFixture[str]) -> None:
@@ -288,6 +326,33 @@ def test_bench_faults_moves_the_earlier_results_aside(
             (out / "faults.jsonl").read_text().splitlines()] == fault_runs
     assert "disk-slow" in (out / "faults.txt").read_text()
     assert len((out / "trace.jsonl").read_text().splitlines()) == 5
+
+
+def test_bench_faults_moves_the_earlier_table_aside_with_its_results(
+        tmp_path: Path, model: Path, fault_runs: list[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """faults.jsonl was moved aside, faults.txt left in place: while the new
+    runs went (and for good when one failed) OUT held the table of runs now
+    in faults.jsonl.1, and a finished run overwrote it, the earlier table lost."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "faults.jsonl").write_text("earlier faults\n")
+    (out / "faults.txt").write_text("earlier table\n")
+    seen: list[bool] = []
+
+    def run_fault(s: faults.FaultSettings, fault: str, trace: Path,
+                  work: Path) -> faults.FaultResult:
+        seen.append((out / "faults.txt").exists())
+        return faults.FaultResult(fault=fault, completed=s.requests, ttft_p99_ms=5.0)
+
+    monkeypatch.setattr(faults, "run_fault", run_fault)
+    argv = ["bench", "faults", "--out", str(out), "--model-dir", str(model),
+            "--faults", "none", "--requests", "5"]
+    assert main(argv) == 0
+    assert seen == [False]  # no table of other runs while the runs go
+    assert (out / "faults.txt.1").read_text() == "earlier table\n"
+    assert (out / "faults.jsonl.1").read_text() == "earlier faults\n"
+    assert "none" in (out / "faults.txt").read_text()
 
 
 def test_bench_faults_says_in_one_line_that_a_server_did_not_start(

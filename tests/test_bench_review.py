@@ -150,6 +150,43 @@ def test_a_new_run_moves_the_earlier_summary_aside_with_its_runs(tmp_path: Path)
     assert (out / "summary.txt.1").read_text() == "old summary\n"
 
 
+def test_the_hit_ratio_of_a_disk_configuration_is_not_called_the_cpu_tiers(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`hit_ratio` is `vllm:external_prefix_cache_hits / _queries`: what the
+    offloading connector found, in any of kvtier's tiers (a `+disk`
+    configuration's lookups find disk blocks too). The plot's panel, the
+    `--help` text and the module called it the "CPU-tier hit ratio" for every
+    configuration, `default+disk`'s included; the table's `hit` column said
+    nothing of what it counts."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    from kvtier.bench.commands import _plain
+
+    assert "CPU-tier hit ratio" not in (_plain(serving.__doc__, 1) or "")
+    results = [_run(c, 0, traffic=t) for t in ("bundled", "generated")
+               for c in (("vllm-lru", "default", "default+disk") if t == "bundled"
+                         else ("vllm-lru", "default"))]
+    settings = serving.BenchSettings(
+        model=tmp_path / "model", out=tmp_path / "out",
+        configs=("vllm-lru", "default", "default+disk"), traffic=("bundled", "generated"),
+        regimes=("paced",), cpu_blocks=(1000,), repeats=1)
+    rows = serving.summarize(results, settings)
+    lines = list(serving.table(rows))
+    note = [line for line in lines if line.startswith("hit:")]
+    assert note and "disk" in note[0] and "external_prefix_cache_hits" in note[0], lines
+    titles: list[str] = []
+
+    def savefig(self: Figure, fname: Any, *args: Any, **kwargs: Any) -> None:
+        titles.extend(ax.get_title() for ax in self.axes)
+
+    monkeypatch.setattr(Figure, "savefig", savefig)
+    serving.plot(rows, tmp_path / "plot.png")
+    hits = sorted(t for t in titles if "hit ratio" in t)
+    assert hits == ["CPU-tier hit ratio: generated, paced",
+                    "hit ratio: CPU tier (+disk: CPU + disk): bundled, paced"], titles
+
+
 # ------------------------------------------------------------ faults under load
 class _Client:
     """`vllm bench serve` that exits with ``status`` without writing its result."""
@@ -190,6 +227,46 @@ def test_a_fault_run_whose_client_failed_does_not_report_an_earlier_runs_figures
         faults._load_with_fault(s, "none", st, Server(), work / "trace.jsonl", work)  # type: ignore[arg-type]
 
 
+def test_a_fault_run_whose_load_never_reaches_the_server_fails(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`_wait_for_load` waits (300 s) for the client's first request to reach
+    the server before the fault goes in; when none came in time (a client
+    stuck loading its tokenizer, a wrong URL) it returned all the same, and the
+    fault was injected with no load on the server: a run that measured no
+    fault reported as one. It must fail the run (`ServerError`: one line on
+    the command line, as for a server that did not start)."""
+    class Running:
+        returncode = None
+
+        def poll(self) -> None:
+            return None
+
+    monkeypatch.setattr(prom, "scrape", lambda url, timeout_s=10.0: {})  # no load, ever
+    started = time.monotonic()
+    with pytest.raises(ServerError, match="reached the server within 0 s"):
+        faults._wait_for_load("http://127.0.0.1:1", Running(), 0.3)  # type: ignore[arg-type]
+    assert time.monotonic() - started < 5
+    with pytest.raises(ServerError, match=r"the redis-kill run's load .*; see client\.log"):
+        faults._wait_for_load("http://127.0.0.1:1", Running(), 0.0,  # type: ignore[arg-type]
+                              fault="redis-kill", client_log=Path("client.log"))
+
+
+def test_a_fault_run_waits_for_its_load_and_leaves_a_dead_client_to_the_status_check(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # load seen: go; a client that exited: its exit status is reported after the run
+    loads = iter([{}, {}, {("vllm:num_requests_running", ()): 2.0}])
+    monkeypatch.setattr(prom, "scrape", lambda url, timeout_s=10.0: next(loads))
+    monkeypatch.setattr(faults.time, "sleep", lambda s: None)
+
+    class Running:
+        def poll(self) -> None:
+            return None
+
+    faults._wait_for_load("http://127.0.0.1:1", Running(), 60.0)  # type: ignore[arg-type]
+    monkeypatch.setattr(prom, "scrape", lambda url, timeout_s=10.0: {})
+    faults._wait_for_load("http://127.0.0.1:1", _Client(1), 0.0)  # type: ignore[arg-type]
+
+
 # ------------------------------------------------------------ crash drills
 def test_a_disk_round_in_which_the_writer_stored_nothing_fails() -> None:
     """A disk round checks that what the writer acknowledged survived the kill;
@@ -211,28 +288,27 @@ def test_a_redis_kill_with_no_acknowledged_write_fails() -> None:
     assert kill.failures() != []
 
 
-@pytest.mark.xfail(strict=True, reason="the Redis drill's writer writes the same bytes on "
-                   "every SET of a key, so lost rewrites go unseen (fix under way)")
 def test_a_lost_acknowledged_rewrite_is_seen_by_the_redis_drill(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The Redis drill's writer cycles over `writer_keys` (256) keys, and a
-    block's bytes derive from its key alone, so every SET of a key carries the
-    same bytes. With AOF the drill claims every SET acknowledged before the
-    kill is back (`acked_lost` 0): it counts as lost an acknowledged id with
-    no value of its derived bytes on the restarted server. A key is rewritten
-    many times a second, so a server that lost its last second of acknowledged
-    SETs (appendfsync everysec, a broken fsync) still holds an earlier,
-    identical value of every key, and the check cannot fail.
+    block's bytes derived from its key alone, so every SET of a key carried
+    the same bytes. With AOF the drill claims every SET acknowledged before
+    the kill is back (`acked_lost` 0); it counted as lost an acknowledged id
+    with no value of its derived bytes on the restarted server. A key is
+    rewritten many times a second, so a server that lost its last second of
+    acknowledged SETs (appendfsync everysec, a broken fsync) still held an
+    earlier, identical value of every key, and the check could not fail.
 
-    Here the real writer loop (`drill_writer.run`) writes to an in-memory
-    tier; the "restarted server" keeps only the SETs made before the middle of
-    the acknowledgement log, and the drill's own check (`acked_between`, then
-    `payload_matches` on each key, as `_RedisRun.kill` and `writer_blocks`
-    do) must see a loss. (Fix: derive the bytes from the key and the write's
-    sequence number, log both, and require the latest acknowledged version or
-    a later one; not made here.)"""
+    Now each write is a new version of its key (bytes from key and write
+    number, both in the acknowledgement log), and a key must hold its latest
+    acknowledged version or a later one. Here the real writer loop
+    (`drill_writer.run`) writes to an in-memory tier; the "restarted server"
+    keeps only the SETs made before the middle of the acknowledgement log, and
+    the drill's own check (`writer_versions` on the server, `lost_writes`
+    against `acked_between`, as `_RedisRun.kill` does) must see the loss."""
     from kvtier.bench import drill_writer
-    from kvtier.bench.drill_writer import acked_between, payload_matches, read_acks
+    from kvtier.bench.drill_writer import acked_between, lost_writes, read_acks
+    from kvtier.bench.redis_drill import writer_versions
 
     puts: list[tuple[float, bytes, bytes]] = []
 
@@ -241,6 +317,13 @@ def test_a_lost_acknowledged_rewrite_is_seen_by_the_redis_drill(
             puts.extend((time.monotonic(), k, bytes(v)) for k, v in items)
             return [True] * len(items)
 
+    class Server:
+        def __init__(self, values: dict[bytes, bytes]) -> None:
+            self.values = values
+
+        def get(self, keys: Any) -> list[bytes | None]:
+            return [self.values.get(k) for k in keys]
+
     monkeypatch.setattr(drill_writer, "_open_tier", lambda cfg: MemoryTier())
     log = tmp_path / "acks"
     cfg = WriterConfig("redis", "redis://unused", str(log), block_bytes=64, key_space=4,
@@ -248,12 +331,28 @@ def test_a_lost_acknowledged_rewrite_is_seen_by_the_redis_drill(
     drill_writer.run(cfg)
     acks = read_acks(log)
     assert len(acks) > 16  # each of the 4 keys written several times
+    acked = acked_between(log, 0.0, float("inf"))
+    assert len({w.version for w in acked}) == len(acked)  # every write its own version
+
+    def check(values: dict[bytes, bytes]) -> tuple[dict[int, int], int, list[int]]:
+        held, wrong = writer_versions(Server(values), range(4), 64)  # type: ignore[arg-type]
+        return held, wrong, lost_writes(acked, held)
+
+    everything = {k: v for _, k, v in puts}  # the last SET of each key
+    assert check(everything) == ({i: max(w.version for w in acked if w.id == i)
+                                  for i in range(4)}, 0, [])
     cut = acks[len(acks) // 2][0]  # the server loses every SET acknowledged after this
-    server = {k: v for t, k, v in puts if t < cut}
-    acked = set(acked_between(log, 0.0, float("inf")))
-    found = {i for i in range(4)
-             if drill_key(i) in server and payload_matches(drill_key(i), server[drill_key(i)], 64)}
-    assert acked - found, "half the acknowledged SETs were lost and the drill sees none"
+    held, wrong, lost = check({k: v for t, k, v in puts if t < cut})
+    assert len(held) == 4 and wrong == 0  # every key is there, with right bytes
+    assert lost, "half the acknowledged SETs were lost and the drill sees none"
+    # a SET that landed without its acknowledgement logged: a later version is fine
+    unlogged = {k: drill_writer.drill_payload(k, 64, 1 << 40) for k in everything}
+    assert check(unlogged)[2] == []
+    # another key's bytes, a valid version of them, are wrong
+    swapped = dict(everything)
+    swapped[drill_key(0)] = everything[drill_key(1)]
+    held, wrong, lost = check(swapped)
+    assert 0 not in held and wrong == 1 and lost == [0]
 
 
 def test_the_slow_disk_of_the_fault_runs_answers_the_io_threads_as_the_disk_does(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,13 @@ from kvtier.bench.disk_drill import (
     check_directory,
     run_disk_drill,
 )
-from kvtier.bench.drill_writer import WRITER_NAMESPACE, drill_key, drill_payload, torn_path
+from kvtier.bench.drill_writer import (
+    WRITER_NAMESPACE,
+    Write,
+    drill_key,
+    drill_payload,
+    torn_path,
+)
 from kvtier.bench.drills import Reference, drill_reference
 from kvtier.bench.redis_drill import run_redis_drill
 from kvtier.tiers import DiskTier, blockfile
@@ -76,11 +83,80 @@ def test_a_wrong_block_with_a_valid_checksum_is_caught(tmp_path: Path) -> None:
     wrong = drill_key(1)
     torn_path(tmp_path, WRITER_NAMESPACE, wrong).write_bytes(
         blockfile.encode(WRITER_NAMESPACE.encode(), wrong, drill_payload(drill_key(2), BLOCK)))
-    check = check_directory(tmp_path, block_bytes=BLOCK, acked=[0, 1, 2, 3])
+    check = check_directory(tmp_path, block_bytes=BLOCK,
+                            acked=[Write(i, 0) for i in range(4)])
     assert check.bad == 0 and check.index_consistent  # the checksum holds
     assert check.wrong_reads == 1  # the bytes do not
     assert check.acked_missing == 2  # block 1 is wrong, block 3 was never written
     assert len(check.failures()) == 2
+
+
+def test_an_acknowledged_block_at_an_older_version_is_lost(tmp_path: Path) -> None:
+    """Each store is a new version of its block: an acknowledged store must be
+    on disk at its version or a later one, not an earlier one."""
+    tier = DiskTier(tmp_path, WRITER_NAMESPACE, 64 << 20)
+    tier.put([(drill_key(i), drill_payload(drill_key(i), BLOCK, 5)) for i in range(2)])
+    tier.close()
+    check = check_directory(tmp_path, block_bytes=BLOCK, acked=[Write(0, 4), Write(1, 6)])
+    assert check.wrong_reads == 0 and check.acked_checked == 2
+    assert check.acked_missing == 1  # block 1 holds version 5, 6 was acknowledged
+
+
+@pytest.mark.timeout(120)
+def test_the_redis_writer_check_sees_acknowledged_sets_a_restart_lost(
+        tmp_path: Path) -> None:
+    """Negative control of the Redis drill's check, on a real redis-server:
+    the drill's writer rewrites its keys; the server snapshots (``SAVE``),
+    takes more acknowledged SETs, is SIGKILLed and restarts from the snapshot,
+    holding an earlier, valid value of every key. Those lost SETs must count
+    (`acked_lost`), while the server before the kill loses none."""
+    import redis
+
+    from kvtier.bench.drill_writer import WriterConfig, WriterProcess, acked_between, lost_writes
+    from kvtier.bench.redis_drill import writer_versions
+    from kvtier.tiers.redis_server import RedisServer, find_server_binary
+    from kvtier.tiers.redis_tier import RedisTier
+
+    if find_server_binary() is None:
+        pytest.skip("no redis-server binary (make test installs one)")
+    keys = 16
+    server = RedisServer().start()
+    cfg = WriterConfig("redis", server.url, str(tmp_path / "acks"), block_bytes=4096,
+                       key_space=keys, batch=4, pause_s=0.002)
+    writer = WriterProcess(cfg, tmp_path / "writer.log").start()
+
+    def check() -> tuple[dict[int, int], int, list[int]]:
+        tier = RedisTier(server.url, WRITER_NAMESPACE)
+        try:
+            held, wrong = writer_versions(tier, range(keys), cfg.block_bytes)
+        finally:
+            tier.close()
+        return held, wrong, lost_writes(acked_between(cfg.ack_log, 0.0, float("inf")), held)
+
+    try:
+        assert writer.wait_writing()
+        client = redis.Redis.from_url(server.url)
+        deadline = time.monotonic() + 30
+        while len(acked_between(cfg.ack_log, 0, float("inf"))) < 4 * keys:
+            assert time.monotonic() < deadline and writer.running(), writer.log_tail()
+            time.sleep(0.05)
+        client.save()  # every key is in the snapshot
+        saved = len(acked_between(cfg.ack_log, 0, float("inf")))
+        while len(acked_between(cfg.ack_log, 0, float("inf"))) < saved + 4 * keys:
+            assert time.monotonic() < deadline and writer.running(), writer.log_tail()
+            time.sleep(0.05)
+        client.close()
+        writer.pause()
+        held, wrong, lost = check()
+        assert len(held) == keys and wrong == 0 and lost == []
+        server.stop(kill=True)
+        server.start()  # loads the snapshot
+        held, wrong, lost = check()
+        assert len(held) == keys and wrong == 0  # an earlier, valid value of every key
+        assert lost, "acknowledged SETs the restart lost went unseen"
+    finally:
+        writer.kill()
+        server.close()
 
 
 def test_a_live_writers_temp_file_and_a_foreign_file_are_reported(tmp_path: Path) -> None:

@@ -154,7 +154,7 @@ def _add_faults(sub: Any) -> None:
 
 def cmd_bench_faults(args: argparse.Namespace) -> int:
     """The reference run, then every fault; faults.txt and faults.jsonl in OUT
-    (an earlier faults.jsonl moved aside to faults.jsonl.N)."""
+    (earlier ones moved aside to faults.jsonl.N and faults.txt.N)."""
     from kvtier.bench import faults
     from kvtier.demo.tiny_model import build_tiny_llama, default_model_dir
 
@@ -175,7 +175,7 @@ def cmd_bench_faults(args: argparse.Namespace) -> int:
         raise CommandError(f"{_failure(exc)} (server logs in {s.out / 'logs'}; the runs so "
                            f"far are in {s.out / faults.RESULTS_FILE})") from None
     lines = faults.table(results)
-    write_atomic(s.out / "faults.txt", "\n".join(lines) + "\n")
+    write_atomic(s.out / faults.TABLE_FILE, "\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
 

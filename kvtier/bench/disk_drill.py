@@ -2,20 +2,21 @@
 
 N rounds on one directory. Each round starts a tier writer
 (:mod:`kvtier.bench.drill_writer`: 1 MiB blocks whose bytes derive from their
-keys, as fast as it can, in its own namespace) and, with a model, a real
-engine (``kvtier serve`` with a disk tier on the same directory) that first
-answers the fixed prompts, then is fed distinct prompts so it writes through
-continuously. After a seeded random delay both get SIGKILL (the engine: every
-process of its session). Then, with nothing running, :func:`check_directory`:
-``kvtier disk verify``'s check finds no bad block; a new
-:class:`~kvtier.tiers.DiskTier` per namespace indexes exactly the valid block
-files and removes every temp file (all writers are dead); every block of the
-writer reads back as its derived bytes, and so do the last blocks the writer's
-log says were acknowledged; every engine block reads back (checksum). The next
-engine's start must remove the dead engine's slot region from /dev/shm; its
-answers to the fixed prompts, which from round 2 come from disk blocks earlier
-engines wrote, must equal a server's without kvtier. A final engine, stopped
-cleanly, checks the same once more.
+keys and write numbers, as fast as it can, in its own namespace) and, with a
+model, a real engine (``kvtier serve`` with a disk tier on the same directory)
+that first answers the fixed prompts, then is fed distinct prompts so it
+writes through continuously. After a seeded random delay both get SIGKILL (the
+engine: every process of its session). Then, with nothing running,
+:func:`check_directory`: ``kvtier disk verify``'s check finds no bad block; a
+new :class:`~kvtier.tiers.DiskTier` per namespace indexes exactly the valid
+block files and removes every temp file (all writers are dead); every block of
+the writer reads back as its derived bytes, and so do the last blocks the
+writer's log says were acknowledged, each at its acknowledged version (or a
+later one); every engine block reads back (checksum). The next engine's start
+must remove the dead engine's slot region from /dev/shm; its answers to the
+fixed prompts, which from round 2 come from disk blocks earlier engines wrote,
+must equal a server's without kvtier. A final engine, stopped cleanly, checks
+the same once more.
 """
 
 from __future__ import annotations
@@ -47,11 +48,14 @@ from kvtier.bench.drill_engine import (
 )
 from kvtier.bench.drill_writer import (
     WRITER_NAMESPACE,
+    Write,
     WriterConfig,
     WriterMode,
     WriterProcess,
     drill_key,
+    lost_writes,
     payload_matches,
+    payload_version,
     read_acks,
 )
 from kvtier.bench.drills import (
@@ -100,7 +104,8 @@ class DirectoryCheck:
     """Writer blocks that did not read back as their derived bytes."""
     acked_checked: int = 0
     acked_missing: int = 0
-    """Acknowledged writer blocks that are not on disk with their bytes."""
+    """Acknowledged writer blocks that are not on disk with the bytes of their
+    acknowledged version (or a later one)."""
     engine_blocks_read: int = 0
     engine_unreadable: int = 0
 
@@ -127,10 +132,11 @@ class DirectoryCheck:
         return out
 
 
-def check_directory(path: Path, *, block_bytes: int, acked: Sequence[int] = (),
+def check_directory(path: Path, *, block_bytes: int, acked: Sequence[Write] = (),
                     writer_namespace: str = WRITER_NAMESPACE) -> DirectoryCheck:
     """Verify ``path`` (nothing may run on it), rebuild each namespace's index,
-    read every block back; ``acked``: writer ids that must be there."""
+    read every block back; ``acked``: writer stores that must be there (each
+    block at its latest acknowledged version, or a later one)."""
     out = DirectoryCheck()
     try:
         _, selected = select(path)
@@ -161,12 +167,11 @@ def check_directory(path: Path, *, block_bytes: int, acked: Sequence[int] = (),
             tier.close()
         out.temp_left += sum(e.kind == "temp" for e in walk_namespace(ns_dir))
     if not writer_seen:
-        out.acked_checked = len(acked)
-        out.acked_missing = len(acked)
+        out.acked_checked = out.acked_missing = len({w.id for w in acked})
     return out
 
 
-def _read_writer_blocks(tier: DiskTier, block_bytes: int, acked: Sequence[int],
+def _read_writer_blocks(tier: DiskTier, block_bytes: int, acked: Sequence[Write],
                         out: DirectoryCheck) -> None:
     keys = tier.indexed_keys()
     for start in range(0, len(keys), READ_BATCH):
@@ -174,10 +179,14 @@ def _read_writer_blocks(tier: DiskTier, block_bytes: int, acked: Sequence[int],
         for key, got in zip(chunk, tier.get(chunk), strict=True):
             out.writer_blocks_read += 1
             out.wrong_reads += got is None or not payload_matches(key, got, block_bytes)
-    wanted = [drill_key(i) for i in acked]
-    out.acked_checked += len(wanted)
-    for key, got in zip(wanted, tier.get(wanted), strict=True):
-        out.acked_missing += got is None or not payload_matches(key, got, block_bytes)
+    ids = sorted({w.id for w in acked})
+    held: dict[int, int] = {}
+    for i, got in zip(ids, tier.get([drill_key(i) for i in ids]), strict=True):
+        version = None if got is None else payload_version(drill_key(i), got, block_bytes)
+        if version is not None:
+            held[i] = version
+    out.acked_checked += len(ids)
+    out.acked_missing += len(lost_writes(acked, held))
 
 
 def _read_engine_blocks(tier: DiskTier, out: DirectoryCheck) -> None:
@@ -483,7 +492,7 @@ def _disk_round(directory: Path, round_: DiskRound, previous: DiskRound | None,
             load.stop()
     round_.regions_after_kill = sum(p.exists() for p in mine)
     round_.vllm_shm_left, round_.vllm_shm_bytes = remove_orphan_shm(shm)
-    acks = [i for _, ids in read_acks(ack_log) for i in ids]
+    acks = [w for _, writes in read_acks(ack_log) for w in writes]
     round_.writer_acked = len(acks)
     round_.check = check_directory(directory, block_bytes=s.writer_block_bytes,
                                    acked=acks[-ACKED_CHECKED:])

@@ -2,12 +2,18 @@
 can until it is killed, logging every store the tier acknowledged.
 
 ``python -m kvtier.bench.drill_writer CONFIG_JSON`` (see :class:`WriterConfig`).
-Every block's bytes derive from its key (:func:`drill_payload`), so whoever
-reads a block later can tell a right one from a wrong one without the writer.
+Every store is a new *version* of its block: the writer numbers its writes
+0, 1, 2, ... and a block's bytes are its version (8 bytes) followed by bytes
+derived from its key and that version (:func:`drill_payload`), so whoever
+reads a block later can tell a right one from a wrong one without the writer,
+and which write it is: a key written again and again (``key_space``) carries
+different bytes each time, and a server that lost the last writes of a key
+but kept an earlier one is caught (:func:`lost_writes`).
 After each ``put`` the writer appends one line to its acknowledgement log
-(``<CLOCK_MONOTONIC seconds> <id> <id> ...``: the blocks that ``put`` reported
-stored), with one ``write`` to an ``O_APPEND`` file, so the log survives a
-SIGKILL of the writer and says which stores were acknowledged before a kill.
+(``<CLOCK_MONOTONIC seconds> <id>:<version> <id>:<version> ...``: the blocks
+that ``put`` reported stored), with one ``write`` to an ``O_APPEND`` file, so
+the log survives a SIGKILL of the writer and says which stores were
+acknowledged before a kill.
 
 Modes:
   ``disk``   a :class:`~kvtier.tiers.DiskTier` (temp file, rename).
@@ -31,10 +37,10 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import xxhash
 
@@ -59,16 +65,59 @@ def drill_key(i: int) -> bytes:
     return block_key(i)
 
 
-def drill_payload(key: bytes, size: int) -> bytes:
-    """The bytes of block ``key``: its xxh3-128 digest repeated to ``size`` bytes."""
-    digest = xxhash.xxh3_128_digest(key)
-    reps = -(-size // len(digest))
-    return (digest * reps)[:size]
+VERSION_BYTES = 8
+"""A payload starts with its version, big-endian."""
+MIN_BLOCK_BYTES = VERSION_BYTES + 16
+"""The smallest block: the version and one digest."""
+
+
+class Write(NamedTuple):
+    """One acknowledged store: block ``id`` at ``version`` (the writer's write number)."""
+
+    id: int
+    version: int
+
+
+def drill_payload(key: bytes, size: int, version: int = 0) -> bytes:
+    """The bytes of ``version`` of block ``key``: the version (8 bytes, big-endian),
+    then the xxh3-128 digest of the key and the version repeated to ``size`` bytes."""
+    if size < MIN_BLOCK_BYTES:
+        raise ValueError(f"a writer block has at least {MIN_BLOCK_BYTES} bytes, not {size}")
+    head = version.to_bytes(VERSION_BYTES, "big")
+    digest = xxhash.xxh3_128_digest(key + head)
+    rest = size - VERSION_BYTES
+    return head + (digest * -(-rest // len(digest)))[:rest]
+
+
+def payload_version(key: bytes, data: blockfile.BytesLike, size: int) -> int | None:
+    """The version of block ``key`` that ``data`` is exactly (its ``size`` derived
+    bytes), None when it is none (other bytes, another key's, another size)."""
+    value = bytes(data)
+    if len(value) != size or size < MIN_BLOCK_BYTES:
+        return None
+    version = int.from_bytes(value[:VERSION_BYTES], "big")
+    return version if value == drill_payload(key, size, version) else None
 
 
 def payload_matches(key: bytes, data: blockfile.BytesLike, size: int) -> bool:
-    """Whether ``data`` is exactly the ``size`` derived bytes of ``key``."""
-    return bytes(data) == drill_payload(key, size)
+    """Whether ``data`` is exactly the ``size`` derived bytes of some version of ``key``."""
+    return payload_version(key, data, size) is not None
+
+
+def latest_versions(writes: Iterable[Write]) -> dict[int, int]:
+    """The latest acknowledged version of each id."""
+    out: dict[int, int] = {}
+    for w in writes:
+        if w.version > out.get(w.id, -1):
+            out[w.id] = w.version
+    return out
+
+
+def lost_writes(acked: Iterable[Write], held: Mapping[int, int]) -> list[int]:
+    """Ids whose latest acknowledged write is not held: ``held`` (id -> version
+    found) lacks the id, or has an older version. A later version is fine (a
+    store can land without its acknowledgement being logged)."""
+    return sorted(i for i, v in latest_versions(acked).items() if held.get(i, -1) < v)
 
 
 @dataclass(frozen=True)
@@ -90,6 +139,11 @@ class WriterConfig:
     pause_s: float = 0.0
     """Sleep after each batch (0: none, as fast as it can)."""
 
+    def __post_init__(self) -> None:
+        if self.block_bytes < MIN_BLOCK_BYTES:
+            raise ValueError(f"block_bytes must be at least {MIN_BLOCK_BYTES}, "
+                             f"not {self.block_bytes}")
+
     def to_json(self) -> str:
         return json.dumps(asdict(self))
 
@@ -98,14 +152,14 @@ class WriterConfig:
         return cls(**json.loads(text))
 
 
-def _ids(cfg: WriterConfig) -> Iterator[list[int]]:
-    """Batches of block ids, forever."""
+def _writes(cfg: WriterConfig) -> Iterator[list[Write]]:
+    """Batches of writes, forever: write ``n`` is version ``n`` of its block."""
     n = 0
     while True:
         batch = []
         for _ in range(cfg.batch):
             offset = n % cfg.key_space if cfg.key_space else n
-            batch.append(cfg.first_id + offset)
+            batch.append(Write(cfg.first_id + offset, n))
             n += 1
         yield batch
 
@@ -138,19 +192,20 @@ def _write_torn(cfg: WriterConfig, key: bytes, payload: bytes) -> bool:
 
 
 def run(cfg: WriterConfig) -> None:
-    """Write until killed (or ``max_seconds``), logging acknowledged ids."""
+    """Write until killed (or ``max_seconds``), logging acknowledged writes."""
     log = os.open(cfg.ack_log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     tier = None if cfg.mode == "torn" else _open_tier(cfg)
     deadline = time.monotonic() + cfg.max_seconds
-    for ids in _ids(cfg):
+    for writes in _writes(cfg):
         if time.monotonic() > deadline:
             break
-        items = [(drill_key(i), drill_payload(drill_key(i), cfg.block_bytes)) for i in ids]
+        items = [(drill_key(w.id), drill_payload(drill_key(w.id), cfg.block_bytes, w.version))
+                 for w in writes]
         if tier is None:
             ok = [_write_torn(cfg, key, data) for key, data in items]
         else:
             ok = tier.put(items)
-        done = [str(i) for i, stored in zip(ids, ok, strict=True) if stored]
+        done = [f"{w.id}:{w.version}" for w, stored in zip(writes, ok, strict=True) if stored]
         if done:
             os.write(log, f"{time.monotonic():.6f} {' '.join(done)}\n".encode())
         pause = cfg.pause_s if done else max(cfg.pause_s, _PAUSE_ON_FAILURE_S)
@@ -158,9 +213,9 @@ def run(cfg: WriterConfig) -> None:
             time.sleep(pause)
 
 
-def read_acks(path: str | os.PathLike[str]) -> list[tuple[float, list[int]]]:
-    """The acknowledgement log: ``(time, ids)`` per line; a torn last line is skipped."""
-    out: list[tuple[float, list[int]]] = []
+def read_acks(path: str | os.PathLike[str]) -> list[tuple[float, list[Write]]]:
+    """The acknowledgement log: ``(time, writes)`` per line; a torn last line is skipped."""
+    out: list[tuple[float, list[Write]]] = []
     try:
         text = Path(path).read_text()
     except FileNotFoundError:
@@ -170,14 +225,19 @@ def read_acks(path: str | os.PathLike[str]) -> list[tuple[float, list[int]]]:
             break
         fields = line.split()
         with contextlib.suppress(ValueError, IndexError):
-            out.append((float(fields[0]), [int(x) for x in fields[1:]]))
+            out.append((float(fields[0]), [_parse_write(x) for x in fields[1:]]))
     return out
 
 
-def acked_between(path: str | os.PathLike[str], start: float, end: float) -> list[int]:
-    """Ids whose store was acknowledged in ``[start, end)`` (CLOCK_MONOTONIC
+def _parse_write(field: str) -> Write:
+    block, version = field.split(":")
+    return Write(int(block), int(version))
+
+
+def acked_between(path: str | os.PathLike[str], start: float, end: float) -> list[Write]:
+    """Writes whose store was acknowledged in ``[start, end)`` (CLOCK_MONOTONIC
     seconds, as logged: after the writer saw the acknowledgement), in order."""
-    return [i for t, ids in read_acks(path) if start <= t < end for i in ids]
+    return [w for t, writes in read_acks(path) if start <= t < end for w in writes]
 
 
 def _die_with_parent() -> None:

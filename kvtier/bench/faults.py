@@ -63,7 +63,12 @@ unfinished after ``promotion_timeout_s`` into a miss (the block is computed)."""
 PROBE_PROMPT_TOKENS = 300
 RESULTS_FILE = "faults.jsonl"
 """In ``out``: one line per run; an earlier one is moved aside (``faults.jsonl.N``)."""
+TABLE_FILE = "faults.txt"
+"""In ``out``: the table, once every run is done; an earlier one is moved aside
+with the results it shows (``faults.txt.N``)."""
 TMPFS_BYTES = 96 << 20
+LOAD_WAIT_S = 300.0
+"""The longest wait for the client's first request to reach the server."""
 
 
 class FaultSkipped(RuntimeError):
@@ -257,7 +262,7 @@ def _load_with_fault(s: FaultSettings, fault: str, st: Stage, server: ServerProc
                                   stdout=log, stderr=subprocess.STDOUT,
                                   env={**os.environ, "PYTHONHASHSEED": "0"})
         try:
-            _wait_for_load(server.url, client)
+            _wait_for_load(server.url, client, fault=fault, client_log=client_log)
             time.sleep(s.fault_at_s)
             start_fault(fault, st, s)
             time.sleep(s.fault_for_s)
@@ -276,16 +281,26 @@ def _load_with_fault(s: FaultSettings, fault: str, st: Stage, server: ServerProc
     return _result(fault, detail, samples, after, before)
 
 
-def _wait_for_load(url: str, client: subprocess.Popen[bytes], timeout_s: float = 300.0) -> None:
+def _wait_for_load(url: str, client: subprocess.Popen[bytes], timeout_s: float = LOAD_WAIT_S,
+                   *, fault: str = "", client_log: Path | None = None) -> None:
     """Return once the client's first trace request reached the server (the
-    client takes a while to start: the fault must hit the load, not the lull)."""
+    client takes a while to start: the fault must hit the load, not the lull),
+    or the client exited (its exit status is checked after the run).
+    ``ServerError`` when no request came within ``timeout_s``: a fault injected
+    then would hit no load, and the run would measure nothing."""
     seen = prom.value(prom.scrape(url), "vllm:request_success_total")
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and client.poll() is None:
+    while client.poll() is None:
         samples = prom.scrape(url)
         if (prom.value(samples, "vllm:num_requests_running") > 0
                 or prom.value(samples, "vllm:request_success_total") > seen):
             return
+        if time.monotonic() >= deadline:
+            run = f"the {fault} run's" if fault else "the"
+            where = f"; see {client_log}" if client_log is not None else ""
+            raise ServerError(f"no request of {run} load (vllm bench serve) reached the "
+                              f"server within {timeout_s:.0f} s: the fault was not "
+                              f"injected{where}")
         time.sleep(0.2)
 
 
@@ -315,7 +330,8 @@ def _result(fault: str, client: dict[str, Any], samples: prom.Samples, answer: s
 
 def prepare(s: FaultSettings, say: Any = print) -> Path:
     """Write the scaled trace into ``s.out`` (whole or not at all), then move an
-    earlier ``RESULTS_FILE`` aside (``say`` where); the trace's path."""
+    earlier ``RESULTS_FILE`` aside with its ``TABLE_FILE`` (``say`` where); the
+    trace's path."""
     from kvtier.replay import serving_trace
 
     work = s.out
@@ -324,10 +340,12 @@ def prepare(s: FaultSettings, say: Any = print) -> Path:
     with atomic_path(trace) as staged:
         serving_trace.write_scaled(None, staged, requests=s.requests,
                                    tokens_per_block=BLOCK_TOKENS)
-    moved = move_aside(work / RESULTS_FILE)
+    moved = move_aside(work / RESULTS_FILE, work / TABLE_FILE)
     if moved is not None:
+        table = moved.with_name(TABLE_FILE + moved.suffix)
+        also = f" (their table in {table})" if table.exists() else ""
         say(f"kvtier bench faults: the earlier results of {work / RESULTS_FILE} are now "
-            f"in {moved}")
+            f"in {moved}{also}")
     for sub in ("logs", "results"):
         (work / sub).mkdir(exist_ok=True)
     return trace

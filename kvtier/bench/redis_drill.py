@@ -7,8 +7,9 @@ then with AOF (``appendfsync always``). Every request must complete (HTTP 200
 within its timeout) with the reference answer; the tier's counters show the
 outage (errors, the breaker open); after the restart the engine takes Redis
 hits again: without persistence the server is empty (the fixed prompts miss,
-are stored anew, then hit), with AOF every store acknowledged before the kill
-is there and the fixed prompts hit at once.
+are stored anew, then hit), with AOF the server holds, for every writer key,
+the last version acknowledged before the kill (or a later one) and the fixed
+prompts hit at once.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import random
 import shutil
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,7 +44,8 @@ from kvtier.bench.drill_writer import (
     WriterProcess,
     acked_between,
     drill_key,
-    payload_matches,
+    lost_writes,
+    payload_version,
     read_acks,
 )
 from kvtier.bench.drills import (
@@ -58,6 +60,7 @@ from kvtier.bench.drills import (
     verdict,
 )
 from kvtier.server_process import ServerProcess
+from kvtier.tiers.base import Tier
 from kvtier.tools import AdminError
 
 # ================================================================ redis drill
@@ -79,13 +82,17 @@ class RedisKill:
     hits_before: int = 0
     """Fixed-prompt tokens from Redis just before the kill (their blocks were there)."""
     writer_acked: int = 0
-    """Writer blocks acknowledged since the last restart and before the kill."""
+    """Writer keys with a SET acknowledged since the last restart and before the kill."""
     writer_found: int = 0
-    """Writer blocks on the server once it was back (the writer paused)."""
+    """Writer keys on the server, with a right value, once it was back (the
+    writer paused)."""
     writer_wrong: int = 0
-    """Of those, values that failed the checksum or had other bytes."""
+    """Writer values that failed the checksum or had other bytes (no version
+    of their key's): not counted as found."""
     acked_lost: int = 0
-    """Acknowledged before the kill, missing after the restart."""
+    """Writer keys whose last SET acknowledged before the kill is not on the
+    server after the restart: the key is missing, or holds an older version
+    (each SET writes a new version; a later one than acknowledged is fine)."""
     engine_keys_before: int = 0
     engine_keys_after: int = 0
     """The engine's keys on the server just before the kill / once it was back."""
@@ -224,6 +231,27 @@ class RedisDrillSettings:
     breaker_wait_s: float = 60.0
 
 
+def writer_versions(tier: Tier, ids: Iterable[int],
+                    block_bytes: int) -> tuple[dict[int, int], int]:
+    """The version of each writer block of ``ids`` that ``tier`` holds (a miss:
+    absent), and how many values it returned were no version of their key
+    (other bytes, another key's, another size)."""
+    held: dict[int, int] = {}
+    wrong = 0
+    wanted = list(ids)
+    for start in range(0, len(wanted), READ_BATCH):
+        chunk = wanted[start:start + READ_BATCH]
+        for i, got in zip(chunk, tier.get([drill_key(i) for i in chunk]), strict=True):
+            if got is None:
+                continue
+            version = payload_version(drill_key(i), got, block_bytes)
+            if version is None:
+                wrong += 1
+            else:
+                held[i] = version
+    return held, wrong
+
+
 class _RedisRun:
     """The running parts of a Redis drill and the steps it takes with them."""
 
@@ -337,26 +365,18 @@ class _RedisRun:
         return sum(ns.keys for name, ns in report.namespaces.items()
                    if name != WRITER_NAMESPACE)
 
-    def writer_blocks(self) -> tuple[set[int], int]:
-        """Writer ids on the server with their bytes, and values that are wrong."""
+    def writer_blocks(self) -> tuple[dict[int, int], int]:
+        """The version of each writer key on the server, and values that are wrong."""
         from kvtier.tiers.redis_tier import RedisTier
 
         tier = RedisTier(self.redis.url, WRITER_NAMESPACE)
-        found: set[int] = set()
-        wrong = 0
         try:
-            ids = list(range(self.s.writer_keys))
-            for start in range(0, len(ids), READ_BATCH):
-                chunk = ids[start:start + READ_BATCH]
-                for i, got in zip(chunk, tier.get([drill_key(i) for i in chunk]), strict=True):
-                    if got is None:
-                        continue
-                    found.add(i)
-                    wrong += not payload_matches(drill_key(i), got, self.s.writer_block_bytes)
+            held, wrong = writer_versions(tier, range(self.s.writer_keys),
+                                          self.s.writer_block_bytes)
             wrong += int(tier.stats()["corrupt"])
         finally:
             tier.close()
-        return found, wrong
+        return held, wrong
 
     def kill(self, kill: RedisKill) -> None:
         """Kill the server mid-writes, keep serving through the outage, restart it."""
@@ -379,10 +399,10 @@ class _RedisRun:
         restarted = time.monotonic()
         self.wait_loaded()
         kill.loading_s = round(time.monotonic() - restarted, 2)
-        acked = set(acked_between(self.ack_log, self.epoch_start, kill_at))
-        found, kill.writer_wrong = self.writer_blocks()
-        kill.writer_acked, kill.writer_found = len(acked), len(found)
-        kill.acked_lost = len(acked - found)
+        acked = acked_between(self.ack_log, self.epoch_start, kill_at)
+        held, kill.writer_wrong = self.writer_blocks()
+        kill.writer_acked, kill.writer_found = len({w.id for w in acked}), len(held)
+        kill.acked_lost = len(lost_writes(acked, held))
         kill.engine_keys_after = self.engine_keys()
         writer.resume()
         if wait_metric(url, "available", "redis", 1, self.s.breaker_wait_s):

@@ -12,8 +12,9 @@ each repeat, so slow phases of a shared machine hit all of them alike.
 
 Per run: the client's completed/failed counts, request throughput, TTFT mean,
 p50, p99 and max; from the server's ``/metrics``: prompt tokens by source
-(``vllm:prompt_tokens_cached_by_source``) and the CPU-tier hit ratio
-``vllm:external_prefix_cache_hits / _queries``. Runs are appended to
+(``vllm:prompt_tokens_cached_by_source``) and the hit ratio of the offloading
+tiers, ``vllm:external_prefix_cache_hits / _queries`` (the CPU tier's; with
+``+disk``, the CPU and disk tiers' together). Runs are appended to
 ``OUT/runs.jsonl`` as they finish, the settings that shape every run
 (``--requests``, ``--trace``, ``--speedup``...) in ``OUT/settings.json``.
 ``--resume`` skips the runs there, and refuses to mix them with runs of other
@@ -413,13 +414,41 @@ def fit_model_len(s: BenchSettings, traces: dict[str, Path]) -> int:
     return fit
 
 
-def load_runs(path: Path) -> list[RunResult]:
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def _torn_tail(data: bytes) -> int | None:
+    """Where the torn last line of runs file ``data`` starts: a line with no
+    newline at its end that is not JSON (a write cut short: a kill, a full
+    disk); None when there is none."""
+    start = data.rfind(b"\n") + 1
+    tail = data[start:]
+    if not tail.strip():
+        return None
+    try:
+        json.loads(tail)
+    except ValueError:
+        return start
+    return None
+
+
+def load_runs(path: Path, say: Callable[[str], None] | None = _stderr) -> list[RunResult]:
     """The runs of ``path`` ([] when there is no such file); ``ValueError``
-    naming the line that is not a run."""
+    naming the line that is not a run. A torn last line (``_torn_tail``) is
+    left out, ``say`` told: its run was never recorded whole, so it counts as
+    not made (``--resume`` makes it again, ``end_runs_file``)."""
     if not path.is_file():
         return []
+    data = path.read_bytes()
+    torn = _torn_tail(data)
+    lines = data[:torn].decode().splitlines()
+    if torn is not None and say is not None:
+        say(f"kvtier bench serve: warning: {path}:{len(lines) + 1} is a run cut short "
+            f"(no newline, not JSON: {data[torn:torn + 40]!r}...); left out, its run "
+            "counts as not made")
     runs = []
-    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+    for lineno, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
@@ -460,11 +489,13 @@ def settings_difference(old: dict[str, Any], new: dict[str, Any]) -> str | None:
     return None
 
 
-def resumed_runs(work: Path, settings: dict[str, Any]) -> dict[tuple[Any, ...], RunResult]:
+def resumed_runs(work: Path, settings: dict[str, Any],
+                 say: Callable[[str], None] | None = _stderr) -> dict[tuple[Any, ...], RunResult]:
     """The runs of ``work/runs.jsonl`` by key, when made with ``settings``;
-    ``ValueError`` when they were not, or when which settings is unknown."""
+    ``ValueError`` when they were not, or when which settings is unknown
+    (``load_runs``: a torn last line left out, ``say`` told)."""
     runs_file, settings_file = work / RUNS_FILE, work / SETTINGS_FILE
-    runs = load_runs(runs_file)
+    runs = load_runs(runs_file, say)
     if not runs:
         return {}
     afresh = "leave out --resume to start afresh (the earlier runs are then moved aside)"
@@ -480,6 +511,23 @@ def resumed_runs(work: Path, settings: dict[str, Any]) -> dict[tuple[Any, ...], 
         raise ValueError(f"--resume: the runs in {runs_file} were {difference}; give the "
                          f"same settings, or {afresh}")
     return {r.key: r for r in runs}
+
+
+def end_runs_file(path: Path) -> None:
+    """Make ``path`` end where its last whole line does, so that the next run
+    appended starts a line of its own: a torn last line (``_torn_tail``) is
+    cut off, a whole one missing its newline gets it."""
+    if not path.is_file():
+        return
+    data = path.read_bytes()
+    if not data or data.endswith(b"\n"):
+        return
+    torn = _torn_tail(data)
+    if torn is not None:
+        os.truncate(path, torn)
+    else:
+        with path.open("ab") as f:
+            f.write(b"\n")
 
 
 def start_afresh(work: Path, settings: dict[str, Any],
@@ -524,12 +572,14 @@ def prepare(s: BenchSettings, resume: bool = False,
         staged = prepare_traces(s, Path(staging))
         s = replace(s, max_model_len=fit_model_len(s, staged))
         settings = run_settings(s, staged)
-        done = resumed_runs(work, settings) if resume else {}
+        done = resumed_runs(work, settings, say or _stderr) if resume else {}
         traces = {}
         for kind, path in staged.items():
             traces[kind] = work / path.name
             os.replace(path, traces[kind])
-    if not done:
+    if done:
+        end_runs_file(work / RUNS_FILE)
+    else:
         start_afresh(work, settings, say)
     for sub in ("logs", "results"):
         (work / sub).mkdir(exist_ok=True)
@@ -664,6 +714,21 @@ def _medians(runs: Sequence[RunResult]) -> dict[str, Any]:
     return out
 
 
+HIT_NOTE = ("hit: vllm:external_prefix_cache_hits / _queries, prompt tokens found in the "
+            "offloading tiers over those looked up there: the CPU tier's, and for +disk "
+            "configurations the CPU and disk tiers' together")
+"""The table's last line: what its ``hit`` column counts."""
+
+
+def hit_title(configs: Sequence[str]) -> str:
+    """The hit-ratio panel's title for ``configs``: the CPU tier's, unless one
+    of them has a tier below it (``+disk``), whose hits count too."""
+    below = sorted({config.partition("+")[2] for config in configs} - {""})
+    if not below:
+        return "CPU-tier hit ratio"
+    return f"hit ratio: CPU tier ({', '.join(f'+{t}: CPU + {t}' for t in below)})"
+
+
 TABLE = ("config", "cpu", "done", "fail", "req/s", "TTFT mean", "p50", "p99", "hit",
          "thr/none", "thr/vllm", "TTFT/vllm", "p99/vllm", "hit/vllm", "host tok", "disk tok",
          "dropped")
@@ -691,6 +756,9 @@ def table(rows: Sequence[Row]) -> Iterator[str]:
                f"{ratio(r.ttft_p99_vs_peer):>8} {ratio(r.hit_vs_peer):>8} "
                f"{src.get('host', 0):>9.0f} {src.get('disk', 0):>9.0f} "
                f"{r.dropped_writes:>7.0f}")
+    if rows:
+        yield ""
+        yield HIT_NOTE
 
 
 def _repeats(rows: Sequence[Row]) -> str:
@@ -706,8 +774,8 @@ def _repeats(rows: Sequence[Row]) -> str:
 
 
 def plot(rows: Sequence[Row], out: Path) -> None:
-    """Three panels per traffic and regime: CPU-tier hit ratio, throughput and
-    mean TTFT of each configuration, grouped by CPU-tier size."""
+    """Three panels per traffic and regime: hit ratio (``hit_title``), throughput
+    and mean TTFT of each configuration, grouped by CPU-tier size."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -721,7 +789,7 @@ def plot(rows: Sequence[Row], out: Path) -> None:
         configs = list(dict.fromkeys(r.config for r in mine))
         width = 0.8 / max(1, len(configs))
         for ax, attr, title in zip(ax_row, ("hit_ratio", "throughput", "ttft_mean_ms"),
-                                   ("CPU-tier hit ratio", "requests / s", "mean TTFT (ms)"),
+                                   (hit_title(configs), "requests / s", "mean TTFT (ms)"),
                                    strict=True):
             for j, config in enumerate(configs):
                 vals = [next((getattr(r, attr) for r in mine if r.config == config
@@ -729,7 +797,7 @@ def plot(rows: Sequence[Row], out: Path) -> None:
                 ax.bar([i + j * width for i in range(len(sizes))], vals, width, label=config)
             ax.set_xticks([i + width * (len(configs) - 1) / 2 for i in range(len(sizes))])
             ax.set_xticklabels([f"{size} CPU blocks" for size in sizes])
-            ax.set_title(f"{title}: {traffic}, {regime}")
+            ax.set_title(f"{title}: {traffic}, {regime}", fontsize=10)
         ax_row[0].legend(fontsize=8)
     fig.tight_layout()
     try:
