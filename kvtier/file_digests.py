@@ -24,6 +24,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import tempfile
 from pathlib import Path
 
@@ -41,6 +42,9 @@ MAX_ENTRIES = 4096
 
 READ_BYTES = 16 << 20
 """Bytes read per call while hashing a file."""
+
+_DIGEST_HEX = re.compile(r"[0-9a-f]{32}")
+"""A remembered digest: the hex of an XXH3-128."""
 
 
 class FileChangedError(KVTierError, OSError):
@@ -104,7 +108,10 @@ class FileDigests:
             return {}
         if not isinstance(raw, dict):
             return {}
-        return {k: v for k, v in raw.items() if isinstance(k, str) and isinstance(v, str)}
+        # only well-formed digests: another value (an edit, another tool's
+        # truncated write) would make the file's digest one its bytes do not have
+        return {k: v for k, v in raw.items()
+                if isinstance(k, str) and isinstance(v, str) and _DIGEST_HEX.fullmatch(v)}
 
     def digest(self, path: Path) -> bytes:
         """The content digest of ``path``, remembered or computed.

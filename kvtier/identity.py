@@ -6,10 +6,11 @@ serves one engine the other's KV: wrong output, silently. The shared tiers'
 namespace (DESIGN.md §2) therefore fingerprints the model, not its name:
 
 * **the weights**, by content: per weights file its relative path and size,
-  then the checkpoint's own hash where it has one (a Hugging Face cache file
-  is a link to ``blobs/<sha256>``), else an XXH3-128 of every byte, so new
-  weights at an old path, a fine-tune of a few rows of one tensor or a
-  re-quantization all change the digest. A full read costs seconds per
+  then an XXH3-128 of every byte, so new weights at an old path, a
+  fine-tune of a few rows of one tensor or a re-quantization all change the
+  digest. A Hugging Face cache file is read too, although it links to
+  ``blobs/<sha256>``: weights saved over the snapshot's path write through
+  the link and keep the blob's name. A full read costs seconds per
   10 GB (``benchmarks/bench_identity.py``), once: the digests are remembered
   by each file's device, inode, size and times (``kvtier.file_digests``), so
   a restart on the same files reads nothing;
@@ -139,19 +140,7 @@ def weights_digest(model_dir: str | Path, digests: FileDigests | None = None) ->
         size = path.stat().st_size
         total += size
         h.update(canonical_json([path.relative_to(root).as_posix(), size]))
-        blob = _hub_blob_name(path)
-        h.update(b"blob:" + blob.encode() if blob is not None else digests.digest(path))
+        h.update(digests.digest(path))
     digests.save()
     return WeightsDigest(h.hexdigest(), len(files), total, time.perf_counter() - start,
                          digests.computed - before)
-
-
-def _hub_blob_name(path: Path) -> str | None:
-    """The content hash naming a Hugging Face cache blob ``path`` links to, if any."""
-    if not path.is_symlink():
-        return None
-    target = path.resolve()
-    if target.parent.name == "blobs" and len(target.name) in (40, 64):
-        return target.name
-    return None
-

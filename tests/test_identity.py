@@ -131,9 +131,11 @@ def test_a_cache_that_cannot_be_written_costs_a_read_not_an_error(tmp_path: Path
     assert weights_digest(tmp_path / "a", FileDigests(blocked / "cache")).read == 1
 
 
-def test_hub_cache_blob_names_are_the_checkpoint_hash(tmp_path: Path) -> None:
-    """A Hugging Face cache snapshot links each file to blobs/<sha256>: the
-    name is used, the file is not read."""
+def test_hub_cache_blobs_are_hashed_by_content_not_by_name(tmp_path: Path) -> None:
+    """A Hugging Face cache snapshot links each file to blobs/<sha256>; the
+    bytes are hashed, not the name (weights saved over the snapshot's path
+    write through the link and keep the name: tests/test_identity_review.py),
+    so the same bytes under another blob name keep the identity."""
     blobs = tmp_path / "hub" / "blobs"
     blobs.mkdir(parents=True)
     snapshot = tmp_path / "hub" / "snapshots" / "abc"
@@ -143,10 +145,10 @@ def test_hub_cache_blob_names_are_the_checkpoint_hash(tmp_path: Path) -> None:
     (snapshot / "model.safetensors").symlink_to(blob)
     first = weights_digest(snapshot).digest
     other = blobs / ("b" * 64)
-    os.rename(blob, other)  # same bytes, another content hash
+    os.rename(blob, other)
     (snapshot / "model.safetensors").unlink()
     (snapshot / "model.safetensors").symlink_to(other)
-    assert weights_digest(snapshot).digest != first
+    assert weights_digest(snapshot).digest == first
 
 
 def test_a_directory_without_weights_is_refused(tmp_path: Path) -> None:
