@@ -9,7 +9,10 @@ change of the file's content changes: its device, inode, size, and
 modification and status-change times in nanoseconds. Writing a file updates
 both times, and no tool sets the status-change time back, so a file whose
 key is unchanged has the content it had. A copy of the checkpoint elsewhere
-has other keys: it is read once, and gets the same digest.
+has other keys: it is read once, and gets the same digest. A digest of a file
+whose times are less than ``RACY_S`` old is not remembered: on a file system
+with coarse timestamps a write later within the same tick would keep the key
+(git's "racy" entries).
 
 The cache file is ``$KVTIER_CACHE_DIR/file-digests.json`` (default
 ``$XDG_CACHE_HOME/kvtier``, else ``~/.cache/kvtier``). A cache that cannot
@@ -26,6 +29,7 @@ import logging
 import os
 import re
 import tempfile
+import time
 from pathlib import Path
 
 import xxhash
@@ -78,9 +82,17 @@ def content_digest(path: Path) -> bytes:
     return h.digest()
 
 
-def _stat_key(path: Path) -> str:
+RACY_S = 2.0
+"""A file changed this recently may change again without changing its key
+(coarse timestamps: 1 s on ext3 and HFS+, 2 s on FAT): its digest is not
+remembered."""
+
+
+def _stat_key(path: Path) -> tuple[str, int]:
+    """The content key of ``path``, and its newer time (ns since the epoch)."""
     st = os.stat(path)
-    return f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
+    key = f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
+    return key, max(st.st_mtime_ns, st.st_ctime_ns)
 
 
 class FileDigests:
@@ -119,14 +131,16 @@ class FileDigests:
         Raises ``OSError`` when it cannot be read, ``FileChangedError`` when
         it changes while being read.
         """
-        key = _stat_key(path)
+        key, changed_ns = _stat_key(path)
         known = self.entries.get(key)
         if known is not None:
             return bytes.fromhex(known)
         digest = content_digest(path)
-        if _stat_key(path) != key:
+        if _stat_key(path)[0] != key:
             raise FileChangedError(f"{str(path)!r} changed while kvtier hashed it")
         self.computed += 1
+        if time.time_ns() - changed_ns < RACY_S * 1e9:
+            return digest  # too fresh to trust its key (module doc)
         self.entries[key] = digest.hex()
         while len(self.entries) > MAX_ENTRIES:
             del self.entries[next(iter(self.entries))]

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvtier import file_digests
 from kvtier.file_digests import CACHE_NAME, FileDigests, default_cache_dir
 from kvtier.identity import (
     IdentityError,
@@ -20,6 +21,13 @@ from kvtier.identity import (
 
 TENSOR_BYTES = 64 << 10
 
+
+
+@pytest.fixture(autouse=True)
+def _settled_files(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The files these tests write are seconds old at most: remember their
+    digests all the same (``file_digests.RACY_S``; its own test sets it back)."""
+    monkeypatch.setattr(file_digests, "RACY_S", 0.0)
 
 def write_safetensors(path: Path, tensors: dict[str, np.ndarray]) -> None:
     """The safetensors format: 8-byte header length, JSON header, tensor data."""
@@ -120,6 +128,21 @@ def test_digests_are_remembered_until_the_file_changes(tmp_path: Path) -> None:
     assert changed.read == 1 and changed.digest != first.digest
     (cache / CACHE_NAME).write_text("{not json")  # a broken cache is ignored
     assert weights_digest(tmp_path / "a", FileDigests(cache)).digest == changed.digest
+
+
+def test_a_digest_of_a_file_changed_seconds_ago_is_not_remembered(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # on a file system with coarse timestamps a write later in the same tick
+    # keeps the file's key: a digest taken that early would outlive its bytes
+    monkeypatch.setattr(file_digests, "RACY_S", 2.0)
+    checkpoint(tmp_path / "a")
+    cache = tmp_path / "cache"
+    assert weights_digest(tmp_path / "a", FileDigests(cache)).read == 1
+    assert weights_digest(tmp_path / "a", FileDigests(cache)).read == 1  # not remembered
+    later = file_digests.time.time_ns() + 3 * 10**9
+    monkeypatch.setattr(file_digests.time, "time_ns", lambda: later)
+    assert weights_digest(tmp_path / "a", FileDigests(cache)).read == 1
+    assert weights_digest(tmp_path / "a", FileDigests(cache)).read == 0  # settled: remembered
 
 
 def test_a_cache_that_cannot_be_written_costs_a_read_not_an_error(tmp_path: Path) -> None:

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from kvtier import file_digests
 from kvtier.file_digests import CACHE_NAME, FileDigests
 from kvtier.identity import weights_digest
 
@@ -36,7 +37,8 @@ def model_config(path: Path, **fields: Any) -> SimpleNamespace:
 
 def engine(path: Path, **parts: Any) -> SimpleNamespace:
     """The parts of a vLLM ``VllmConfig`` the identity reads."""
-    model_fields = {k: parts.pop(k) for k in list(parts) if k == "multimodal_config"}
+    model_fields = {k: parts.pop(k) for k in list(parts)
+                    if k in ("multimodal_config", "trust_remote_code")}
     return SimpleNamespace(
         model_config=model_config(path, **model_fields),
         cache_config=SimpleNamespace(cache_dtype="auto", prefix_caching_hash_algo="sha256"),
@@ -47,13 +49,15 @@ def engine(path: Path, **parts: Any) -> SimpleNamespace:
 # --- the remembered digests (kvtier/file_digests.py) -------------------------
 
 @pytest.mark.parametrize("bad", ["not hex", "ab", "", "00" * 15, "zz" * 16])
-def test_a_cache_entry_that_is_not_a_digest_is_ignored(tmp_path: Path, bad: str) -> None:
+def test_a_cache_entry_that_is_not_a_digest_is_ignored(
+        tmp_path: Path, bad: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The cache file is read as {stat key: hex digest}; the old loader kept any
     string value. A non-hex one made every later start fail with a ValueError
     from bytes.fromhex (the module doc promises a cache that cannot be read is
     ignored); a hex one of the wrong length (a truncated write by another tool,
     an edit) was used as the file's digest, so the identity was not the one
     the weights have. Only 32 hex characters (an XXH3-128) are kept."""
+    monkeypatch.setattr(file_digests, "RACY_S", 0.0)  # remember the fresh file's digest
     model = checkpoint(tmp_path / "m")
     cache = tmp_path / "cache"
     first = weights_digest(model, FileDigests(cache))
@@ -165,6 +169,20 @@ def test_the_processor_config_files_enter_the_identity(tmp_path: Path, name: str
     text = model_identity(engine(model))
     (model / name).write_text(json.dumps({"image_mean": [0.5, 0.5, 0.5]}))
     assert model_identity(engine(model)) == text
+
+
+def test_remote_code_enters_the_identity_when_trusted(tmp_path: Path) -> None:
+    # with trust_remote_code the model directory's Python may compute the
+    # layers (model_impl=transformers): an edit changes the KV under the same keys
+    from kvtier.vllm.identity import model_identity
+
+    model = checkpoint(tmp_path / "m")
+    (model / "modeling_tiny.py").write_text("SCALE = 1.0\n")
+    trusted = model_identity(engine(model, trust_remote_code=True))
+    untrusted = model_identity(engine(model))
+    (model / "modeling_tiny.py").write_text("SCALE = 2.0\n")
+    assert model_identity(engine(model, trust_remote_code=True)) != trusted
+    assert model_identity(engine(model)) == untrusted  # vLLM does not run it then
 
 
 def draft_spec(path: Path, method: str = "eagle", kv_cache_dtype: str | None = None) -> Any:

@@ -19,7 +19,9 @@ its effective config, so the spec reads them from the engine's ``VllmConfig``
   processor's config files in the model directory (``PROCESSOR_FILES``:
   normalization, resolution);
 * a drafter's (EAGLE, draft model): its layers' KV is in the same blocks, so
-  its method, KV dtype, config and weights enter as the model's do.
+  its method, KV dtype, config and weights enter as the model's do;
+* with ``trust_remote_code``, the model directory's Python files (the model's
+  own code may compute its layers, e.g. with ``model_impl=transformers``).
 
 The weights come from the model's local directory (a hub id is resolved in the
 local cache: by the time the offloading connector starts, the workers have
@@ -217,6 +219,9 @@ def model_identity(vllm_config: Any, vouched: str | None = None) -> ModelIdentit
             config["processor_files"] = {name: _file_digest(model_dir / name)
                                          for name in PROCESSOR_FILES
                                          if (model_dir / name).is_file()}
+        if getattr(model, "trust_remote_code", False):
+            config["remote_code"] = {p.name: _file_digest(p)
+                                     for p in sorted(model_dir.glob("*.py")) if p.is_file()}
         spec, draft = _drafter(vllm_config)
         if draft is not None and (draft.model, getattr(draft, "revision", None)) != (
                 model.model, getattr(model, "revision", None)):  # MTP: the model's own files
