@@ -64,7 +64,7 @@ def test_a_differing_reply_is_reported() -> None:
         "=", "no", "cache", "=", "vLLM", "cache",
     ]
     assert table[2].split()[-2:] == ["NO", "NO"]
-    assert chat.format_summary(summary, None)[-1].startswith("kvtier's bytes verified: NO (1/2")
+    assert chat.format_summary(summary, None)[-1].startswith("kvtier's bytes verified: NO (0/1")
 
 
 def test_a_reply_vllms_own_cache_changes_too_is_rounding_not_kvtier() -> None:

@@ -12,7 +12,8 @@ Each turn's reply is compared twice: with the engine's reply without any
 cache, and with its reply after its own prefix cache was given the prefix
 kvtier served (the reference pass: the kvtier run's computation, with the
 engine's KV bytes in place of kvtier's). A turn is verified when either
-matches; the exit status is 1 when one is not. The first alone can fail with
+matches; the exit status is 1 when one is not, or when kvtier served no token
+(then no byte of kvtier's was checked). The first alone can fail with
 every byte right: on some models attention over a cached prefix sums in another
 order than a full prefill and bf16 rounding turns a greedy token, and vLLM's
 own cache then does the same. The second alone can fail too: on a
@@ -200,12 +201,16 @@ class TurnRow:
     ttft_kvtier_median_ms: float
     ttft_baseline_median_ms: float
     identical: bool
-    """Same outputs with kvtier and without any cache (module doc: can differ by rounding)."""
+    """Same outputs with kvtier and without any cache (module doc: can differ by
+    rounding); false when the engine without kvtier had cache hits."""
     baseline_cached_tokens: int
     """Should be 0: the GPU prefix cache is reset before every turn."""
     vllm_cache_tokens: int
     """Tokens the reference pass served from the engine's own prefix cache
-    (should equal ``kvtier_tokens``)."""
+    (should equal the chat pass's tokens from kvtier)."""
+    vllm_cache_compared: bool
+    """The reference pass served as many tokens from the engine's cache as
+    kvtier served the chat pass, so their replies were compared."""
     same_as_vllm_cache: bool
     """kvtier's reply is the reference pass's, from the same cached prefix."""
 
@@ -221,9 +226,10 @@ def _ms(seconds: float) -> float:
 
 def turn_rows(with_kv: RunResult, without: RunResult) -> list[TurnRow]:
     """Per-turn rows. A turn is identical when both chat passes had the same prompt
-    and reply and every replay's first token is the reply's; it is the same as
-    vLLM's cache when the reference pass served as many tokens from the engine's
-    cache as kvtier did and replied the same."""
+    and reply, every replay's first token is the reply's and the engine without
+    kvtier had no cache hit; it is the same as vLLM's cache when the reference
+    pass served as many tokens from the engine's cache as kvtier did in the chat
+    pass and replied the same."""
     if len(without.reference) != len(with_kv.repeats[0]):
         raise ValueError(f"the run without kvtier has {len(without.reference)} reference "
                          f"turns for {len(with_kv.repeats[0])} kvtier turns")
@@ -233,6 +239,8 @@ def turn_rows(with_kv: RunResult, without: RunResult) -> list[TurnRow]:
         base = [rep[i] for rep in without.repeats]
         ref = without.reference[i]
         reply = base[0].output
+        baseline_cached = max(turn.cached_tokens for turn in base)
+        compared = ref.cached_tokens == first.cached_tokens
         rows.append(TurnRow(
             conversation=first.conversation,
             turn=first.turn,
@@ -243,17 +251,22 @@ def turn_rows(with_kv: RunResult, without: RunResult) -> list[TurnRow]:
             ttft_kvtier_median_ms=_ms(statistics.median(turn.ttft_s for turn in kv)),
             ttft_baseline_median_ms=_ms(statistics.median(turn.ttft_s for turn in base)),
             identical=first.prompt == base[0].prompt and first.output == reply
-            and all(turn.output == reply[:1] for turn in kv[1:] + base[1:]),
-            baseline_cached_tokens=max(turn.cached_tokens for turn in base),
+            and all(turn.output == reply[:1] for turn in kv[1:] + base[1:])
+            and baseline_cached == 0,
+            baseline_cached_tokens=baseline_cached,
             vllm_cache_tokens=ref.cached_tokens,
-            same_as_vllm_cache=ref.cached_tokens == first.cached_tokens
-            and ref.output == first.output,
+            vllm_cache_compared=compared,
+            same_as_vllm_cache=compared and ref.output == first.output,
         ))
     return rows
 
 
 def summarize(rows: Sequence[TurnRow]) -> dict[str, Any]:
-    """Totals: prefill saved, TTFT with and without kvtier, output check."""
+    """Totals: prefill saved, TTFT with and without kvtier, output check.
+
+    kvtier's bytes are verified when kvtier served some tokens and every turn
+    is verified; ``verified_turns`` counts the verified turns among those
+    kvtier served (``kvtier_turns``): the others used none of its bytes."""
     prompt = sum(r.prompt_tokens for r in rows)
     served = sum(r.kvtier_tokens for r in rows)
     kv_ms = sum(r.ttft_kvtier_ms for r in rows)
@@ -273,9 +286,11 @@ def summarize(rows: Sequence[TurnRow]) -> dict[str, Any]:
         "outputs_identical": all(r.identical for r in rows),
         "baseline_cached_tokens": sum(r.baseline_cached_tokens for r in rows),
         "vllm_cache_identical_turns": sum(r.same_as_vllm_cache for r in rows),
-        "vllm_cache_short_turns": sum(r.vllm_cache_tokens != r.kvtier_tokens for r in rows),
-        "verified_turns": sum(r.verified for r in rows),
-        "outputs_verified": all(r.verified for r in rows),
+        "vllm_cache_short_turns": sum(not r.vllm_cache_compared for r in rows),
+        "kvtier_turns": sum(r.kvtier_tokens > 0 for r in rows),
+        "verified_turns": sum(r.verified for r in rows if r.kvtier_tokens > 0),
+        "unserved_unverified_turns": sum(not r.verified for r in rows if not r.kvtier_tokens),
+        "outputs_verified": served > 0 and all(r.verified for r in rows),
     }
 
 
@@ -299,7 +314,7 @@ def _reference_cell(row: TurnRow) -> str:
     """``= vLLM cache``: "n/a" where vLLM's cache held another number of tokens."""
     if row.same_as_vllm_cache:
         return "yes"
-    return "n/a" if row.vllm_cache_tokens != row.kvtier_tokens else "NO"
+    return "NO" if row.vllm_cache_compared else "n/a"
 
 
 def format_summary(s: dict[str, Any], stats: dict[str, int] | None) -> list[str]:
@@ -318,9 +333,7 @@ def format_summary(s: dict[str, Any], stats: dict[str, int] | None) -> list[str]
         f"kvtier served: {s['vllm_cache_identical_turns']}/{s['turns']} turns"
         + (f" (on {s['vllm_cache_short_turns']} it held a different number of tokens: "
            "not compared)" if s["vllm_cache_short_turns"] else ""),
-        f"kvtier's bytes verified: {'yes' if s['outputs_verified'] else 'NO'} "
-        f"({s['verified_turns']}/{s['turns']} turns replied as without a cache or as "
-        "from vLLM's own cache)",
+        _bytes_verified(s),
     ]
     if stats is not None:
         lines.append(
@@ -328,6 +341,18 @@ def format_summary(s: dict[str, Any], stats: dict[str, int] | None) -> list[str]
             f"{stats['evictions']} evictions, {stats['resident']} blocks resident"
         )
     return lines
+
+
+def _bytes_verified(s: dict[str, Any]) -> str:
+    """The summary's last line: whether kvtier's bytes were verified (:func:`summarize`)."""
+    if not s["kvtier_turns"]:
+        return "kvtier's bytes verified: NO (kvtier served no prompt tokens: nothing verified)"
+    unserved = s["unserved_unverified_turns"]
+    return (f"kvtier's bytes verified: {'yes' if s['outputs_verified'] else 'NO'} "
+            f"({s['verified_turns']}/{s['kvtier_turns']} turns served from kvtier replied "
+            "as without a cache or as from vLLM's own cache"
+            + (f"; {unserved} turns kvtier served nothing replied otherwise too"
+               if unserved else "") + ")")
 
 
 # -- entry point -------------------------------------------------------------------
@@ -357,7 +382,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="one JSON object instead of a table")
     parser.add_argument("--disk", type=Path, default=None, metavar="DIR",
                         help="the tiered demo instead: two servers one after the other with "
-                        "a disk tier in DIR; the second gets its first prefixes from disk")
+                        "a disk tier in DIR (new or empty); the second gets its first "
+                        "prefixes from disk")
 
 
 def workload(args: argparse.Namespace) -> Workload:
@@ -373,9 +399,13 @@ def _quiet_defaults() -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the demo for parsed ``args``; exit status 0, or 1 when a turn is not
-    verified (module doc)."""
+    verified or kvtier served nothing (module doc)."""
     w = workload(args)
     w.check()
+    if args.disk is not None:
+        from kvtier.demo import tiered
+
+        tiered.check_args(args.disk, w)
     _quiet_defaults()
     say = _progress(args.json)
     model = _model(args.model_dir, say)

@@ -14,7 +14,10 @@ tokens came from: the engine's own prefix cache (``device``), kvtier's CPU
 tier (``host``), the disk tier (``disk``), or computed. The figures are the
 server's own (``vllm:prompt_tokens_cached_by_source`` before and after each
 request); requests go one at a time. Greedy answers of the second server are
-checked against the first's where both answered the same prompt.
+checked token for token against the first's where both answered the same
+prompt. The demo fails (exit status 1) when an answer differs, when nothing
+was compared, when the second server got nothing from disk, or when the first
+did (it must start from an empty disk tier: ``DIR`` must be new or empty).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from typing import Any
 
 from kvtier import prom
 from kvtier.demo.tiny_model import kv_bytes_per_block
-from kvtier.demo.workload import Workload
+from kvtier.demo.workload import DemoError, Workload
 from kvtier.server_process import ServerProcess
 
 SOURCES = ("device", "host", "disk")
@@ -55,6 +58,7 @@ class Served:
     host: int
     disk: int
     answer: str
+    token_ids: tuple[int, ...]
 
     @property
     def computed(self) -> int:
@@ -99,7 +103,8 @@ def serve_turns(url: str, model: Path, server: int, w: Workload,
         after = prom_wait(url, before)
         replies.setdefault((conversation, turn), ids)
         got = {s: int(after.get(s, 0) - before.get(s, 0)) for s in SOURCES}
-        served = Served(server, conversation, turn, len(prompt), **got, answer=text)
+        served = Served(server, conversation, turn, len(prompt), **got, answer=text,
+                        token_ids=tuple(ids))
         out.append(served)
         say(served)
     return out
@@ -125,6 +130,21 @@ def server_argv(model: Path, disk: Path, port: int, cpu_bytes: int) -> list[str]
             *ENGINE_FLAGS]
 
 
+def check_args(disk: Path, w: Workload) -> None:
+    """``DemoError`` unless the first server can serve a turn (``w.turns`` >= 2)
+    and start from an empty disk tier: a ``disk`` directory holding an earlier
+    run's blocks would serve both servers the same bytes from disk, and their
+    answers' comparison would check nothing."""
+    if w.turns < 2:
+        raise DemoError("--disk needs --turns 2 or more: the first server serves all "
+                        "turns but the last")
+    if disk.exists() and not disk.is_dir():
+        raise DemoError(f"--disk {disk} is not a directory")
+    if disk.is_dir() and any(disk.iterdir()):
+        raise DemoError(f"--disk {disk} is not empty: the first server must start with "
+                        "an empty disk tier (give a new or empty directory)")
+
+
 def run(model: Path, disk: Path, w: Workload, cpu_bytes: int,
         say: Callable[[str], None], row: Callable[[Served], None]) -> list[Served]:
     """Both servers, one after the other, on ``disk``."""
@@ -147,19 +167,24 @@ def run(model: Path, disk: Path, w: Workload, cpu_bytes: int,
 
 
 def summary(results: Sequence[Served]) -> dict[str, Any]:
-    """Totals per server and whether the second server's answers to prompts the
-    first also answered are the same."""
+    """Totals per server; whether the second server's answers to prompts the
+    first also answered are the same (token for token, and at least one); and
+    whether the run showed what it is for (``verified``): identical answers,
+    the second server served from disk, the first not."""
     out: dict[str, Any] = {}
     for server in (1, 2):
         mine = [r for r in results if r.server == server]
         out[f"server{server}"] = {
             "requests": len(mine), "prompt_tokens": sum(r.prompt_tokens for r in mine),
             **{s: sum(getattr(r, s) for r in mine) for s in (*SOURCES, "computed")}}
-    answers = {(r.conversation, r.turn): r.answer for r in results if r.server == 1}
-    same = [r.answer == answers[(r.conversation, r.turn)] for r in results
+    answers = {(r.conversation, r.turn): (r.token_ids, r.answer) for r in results
+               if r.server == 1}
+    same = [(r.token_ids, r.answer) == answers[(r.conversation, r.turn)] for r in results
             if r.server == 2 and (r.conversation, r.turn) in answers]
     out["answers_compared"] = len(same)
-    out["answers_identical"] = all(same)
+    out["answers_identical"] = bool(same) and all(same)
+    out["verified"] = (out["answers_identical"] and out["server1"]["disk"] == 0
+                       and out["server2"]["disk"] > 0)
     return out
 
 
@@ -182,11 +207,16 @@ def print_report(results: Sequence[Served], s: dict[str, Any], as_json: bool) ->
               f"{t['disk']} from disk, {t['computed']} computed")
     print(f"greedy answers of server 2 identical to server 1's: "
           f"{'yes' if s['answers_identical'] else 'NO'} ({s['answers_compared']} compared)")
+    if not s["server2"]["disk"]:
+        print("NO prompt tokens of server 2 came from disk: the disk tier served nothing")
+    if s["server1"]["disk"]:
+        print("server 1 got prompt tokens from disk: the disk tier was not empty")
 
 
 def run_from_args(args: argparse.Namespace, model: Path, w: Workload,
                say: Callable[[str], None]) -> int:
-    """``kvtier demo --disk DIR`` (``kvtier.demo.tiered``); 1 when answers differ."""
+    """``kvtier demo --disk DIR`` (``kvtier.demo.tiered``); 1 unless the summary
+    says ``verified`` (answers identical, server 2 served from disk, server 1 not)."""
     if not args.json:
         print(f"kvtier demo --disk {args.disk}: {w.conversations} conversations x {w.turns} "
               "turns on two servers in a row (kvtier serve, a disk tier shared by both)")
@@ -199,4 +229,4 @@ def run_from_args(args: argparse.Namespace, model: Path, w: Workload,
     results = run(model, args.disk, w, args.cpu_bytes, say, row)
     s = summary(results)
     print_report(results, s, args.json)
-    return 0 if s["answers_identical"] else 1
+    return 0 if s["verified"] else 1
