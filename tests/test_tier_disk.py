@@ -441,6 +441,25 @@ def test_blocks_of_another_engine_are_found(tmp_path: Path, lookups: str) -> Non
     assert b.get([block_key(2)])[0] is not None  # found by get as well
 
 
+def test_a_fifo_at_a_block_path_is_a_miss_and_stays(tmp_path: Path) -> None:
+    # a plain open of a FIFO waits for a writer: an I/O thread would hang on it
+    t = make(tmp_path)
+    t.put([(block_key(1), payload(1))])
+    path = Path(t.dir.file(block_key(2)))
+    os.mkfifo(path)
+    got: list[object] = []
+    reader = threading.Thread(
+        target=lambda: got.append(t.get_into([block_key(2)], [bytearray(SIZE)])), daemon=True)
+    reader.start()
+    reader.join(5)
+    if reader.is_alive():  # unblock the open so the thread ends
+        with open(path, "wb"):
+            pass
+        pytest.fail("reading a block path holding a FIFO hung")
+    assert got == [[None]] and stat.S_ISFIFO(path.lstat().st_mode)
+    assert t.get_into([block_key(1)], [bytearray(SIZE)]) == [SIZE]
+
+
 def test_a_hung_lookup_costs_its_timeout_once(tmp_path: Path,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     # A lost network mount: every stat under the directory blocks until released

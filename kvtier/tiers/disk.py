@@ -84,7 +84,10 @@ DEFAULT_RESERVE_CAP = 1 << 30
 TMP_MAX_AGE_S = 600.0
 """Default age after which a temp file is stale even if its writer's pid seems alive."""
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
-_O_READ = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
+# O_NONBLOCK: something other than a block file at a block's path (a FIFO)
+# would block a plain open until a writer came; on a regular file it changes nothing
+_O_READ = (os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+           | getattr(os, "O_NOFOLLOW", 0))
 
 
 def statvfs_free_bytes(path: str) -> int:
@@ -472,6 +475,8 @@ class DiskTier(Tier):
         buffer when None): (payload bytes, the payload's view, file size).
         ``CorruptBlockError`` when it is not a whole, valid block of ``key``."""
         st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):  # not ours: a miss, left in place
+            raise OSError(errno.EINVAL, "not a regular file")
         hsize = blockfile.header_size(self._ns, key)
         n = st.st_size - hsize
         if n < 0:
