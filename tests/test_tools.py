@@ -177,6 +177,28 @@ def test_verify_finds_and_repairs_exactly_the_bad_blocks(
     tier.close()
 
 
+def test_verify_repair_keeps_a_block_it_cannot_read(
+    cache: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # an engine's read error (EIO, EMFILE) is a miss and the file stays: the
+    # error may pass. verify --repair used to delete such a block as bad.
+    # (The error is injected: root reads any file.)
+    unreadable = block_path(cache, NS_A, 3)
+    real = disk_admin.read_block_file
+
+    def failing(path: str) -> object:
+        if path == str(unreadable):
+            raise OSError(5, "Input/output error")
+        return real(path)
+
+    monkeypatch.setattr(disk_admin, "read_block_file", failing)
+    code, out, _ = run(capsys, "disk", "verify", str(cache), "--repair")
+    assert code == 1 and unreadable.exists()
+    assert f"bad  {unreadable}: unreadable: Input/output error" in out
+    assert "removed 0 bad blocks" in out
+    assert "1 block could not be read and is kept" in out
+
+
 def test_verify_reports_odd_names_and_sweeps_a_manifest_temp_file(
     cache: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -215,15 +215,21 @@ def format_verify_summary(s: VerifySummary) -> list[str]:
     if s.repair:
         lines.append(f"removed {plural(s.removed, 'bad block')} and "
                      f"{plural(s.temp_removed, 'stale temp file')}")
-        if s.removed < s.bad:
-            lines.append(f"{s.bad - s.removed} bad blocks could not be removed (replaced by "
+        failed = s.bad - s.removed - s.unreadable
+        if failed:
+            lines.append(f"{plural(failed, 'bad block')} could not be removed (replaced by "
                          "an engine meanwhile, or no permission)")
     else:
-        if s.bad:
-            lines.append(f"kvtier disk verify --repair removes {'it' if s.bad == 1 else 'them'}")
+        wrong = s.bad - s.unreadable
+        if wrong:
+            lines.append(f"kvtier disk verify --repair removes {'it' if wrong == 1 else 'them'}")
         if s.stale_temp_files:
             lines.append(f"{plural(s.stale_temp_files, 'stale temp file')} (--repair removes "
                          f"{'it' if s.stale_temp_files == 1 else 'them'})")
+    if s.unreadable:
+        lines.append(f"{plural(s.unreadable, 'block')} could not be read and "
+                     f"{'is' if s.unreadable == 1 else 'are'} kept, as engines keep "
+                     f"{'it' if s.unreadable == 1 else 'them'} (the error may pass)")
     if s.vanished:
         lines.append(f"{plural(s.vanished, 'block')} removed by an engine during the check")
     return lines

@@ -210,6 +210,9 @@ class VerifySummary:
     blocks: int = 0
     bad: int = 0
     removed: int = 0
+    unreadable: int = 0
+    """Bad blocks that could not be read (counted in ``bad``): never removed, as
+    the engine keeps them: the error may pass (EMFILE, a transient EIO)."""
     vanished: int = 0
     """Files removed by an engine while the walk was on (not bad)."""
     temp_files: int = 0
@@ -264,6 +267,12 @@ def _verify_block(name: str, ns: bytes, entry: Entry, summary: VerifySummary, re
     except FileNotFoundError:
         summary.vanished += 1
         return
+    except OSError as exc:  # kept, as the engine keeps it: the error may pass (EMFILE, EIO)
+        summary.blocks += 1
+        summary.bad += 1
+        summary.unreadable += 1
+        on_bad(BadBlock(name, entry.path, f"unreadable: {exc.strerror or exc}", False))
+        return
     summary.blocks += 1
     if reason is None:
         return
@@ -286,7 +295,8 @@ def _verify_temp(entry: Entry, summary: VerifySummary, repair: bool, now: float,
 def check_block(entry: Entry, namespace: bytes) -> tuple[str | None, FileIdent]:
     """``(reason, file ident)`` for one block file; reason None: it holds.
 
-    Raises ``FileNotFoundError`` when the file is gone (evicted meanwhile).
+    Raises ``FileNotFoundError`` when the file is gone (evicted meanwhile), and
+    ``OSError`` when it cannot be read (nothing is known of its bytes then).
     """
     key = block_key_of(entry.name)
     if key is None:
@@ -298,10 +308,6 @@ def check_block(entry: Entry, namespace: bytes) -> tuple[str | None, FileIdent]:
         value, ident = read_block_file(entry.path)
     except CorruptBlockError as exc:
         return _reason(exc), entry.ident
-    except FileNotFoundError:
-        raise
-    except OSError as exc:
-        return f"unreadable: {exc.strerror or exc}", entry.ident
     try:
         blockfile.decode(value, namespace, key)
     except CorruptBlockError as exc:
