@@ -202,6 +202,10 @@ def test_kvtier_soak_command_rejects_bad_settings(capsys: pytest.CaptureFixture[
 
     assert main(["soak", "--requests", "10", "--kinds", "nope", "--no-progress"]) == 2
     assert "unknown workload" in capsys.readouterr().err
+    # a Redis size with no Redis tier was ignored
+    assert main(["soak", "--requests", "10", "--no-redis", "--redis-maxmemory", "1000",
+                 "--no-progress"]) == 2
+    assert "--redis-maxmemory" in capsys.readouterr().err
 
 
 def test_sigterm_removes_the_soak_directory(tmp_path: Path) -> None:

@@ -53,6 +53,10 @@ WARM_FRACTION = 0.25
 """RSS growth is measured from the sample at this share of the run to the end."""
 
 
+DEFAULT_REDIS_MAXMEMORY = 64 << 20
+"""The local redis-server's ``maxmemory`` in a soak (bytes)."""
+
+
 @dataclass(frozen=True, slots=True)
 class SoakConfig:
     """One soak run. ``write_policy`` and ``tier_store_threshold`` apply to
@@ -63,7 +67,7 @@ class SoakConfig:
     cpu_blocks: int = 4_000
     disk_blocks: int = 16_000
     redis: bool = True
-    redis_maxmemory: int = 64 << 20
+    redis_maxmemory: int = DEFAULT_REDIS_MAXMEMORY
     policy: str = "default"
     kinds: tuple[str, ...] = DEFAULT_KINDS
     chunk: int = DEFAULT_CHUNK

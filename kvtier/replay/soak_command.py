@@ -33,7 +33,7 @@ def add_soak_parser(commands: Any) -> None:
                    help="CPU slots (default 4000)")
     p.add_argument("--disk-blocks", type=int, default=16_000, metavar="N",
                    help="disk tier blocks, 0 for none (default 16000)")
-    p.add_argument("--redis-maxmemory", type=positive_int, default=64 << 20, metavar="BYTES",
+    p.add_argument("--redis-maxmemory", type=positive_int, default=None, metavar="BYTES",
                    help="the local redis-server's maxmemory (default 64 MiB)")
     p.add_argument("--no-redis", action="store_true", help="no Redis tier")
     p.add_argument("--policy", default="default", help="eviction policy (default: default)")
@@ -54,14 +54,17 @@ def add_soak_parser(commands: Any) -> None:
 
 def cmd_soak(args: argparse.Namespace) -> int:
     """Run the soak; print samples and the summary; 1 on a bound violation."""
-    from kvtier.replay.soak import Sample, SoakConfig, run_soak
+    from kvtier.replay.soak import DEFAULT_REDIS_MAXMEMORY, Sample, SoakConfig, run_soak
     from kvtier.server_process import sigterm_as_exit
 
+    if args.no_redis and args.redis_maxmemory is not None:
+        raise CommandError("--redis-maxmemory sizes the Redis tier that --no-redis leaves out")
     kinds = tuple(k.strip() for k in args.kinds.split(",") if k.strip())
     every = args.sample_every or max(1, args.requests // 100)
     config = SoakConfig(requests=args.requests, cpu_blocks=args.cpu_blocks,
                         disk_blocks=args.disk_blocks, redis=not args.no_redis,
-                        redis_maxmemory=args.redis_maxmemory, policy=args.policy,
+                        redis_maxmemory=args.redis_maxmemory or DEFAULT_REDIS_MAXMEMORY,
+                        policy=args.policy,
                         kinds=kinds, sample_every=every, seed=args.seed)
     try:
         config.check()
