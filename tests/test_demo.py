@@ -208,7 +208,11 @@ def test_tiered_demo_second_server_gets_its_first_prefixes_from_disk(
     # The second server's first prompt: system prompt, turn 1 and its reply, on disk.
     assert first["disk"] >= 64 + 64 and first["host"] == 0 and first["device"] == 0
     assert report["summary"]["server1"]["disk"] == 0
-    assert report["summary"]["answers_identical"] and report["summary"]["answers_compared"] == 2
+    summary = report["summary"]
+    # Every answer of the second server compared, the last turn's (from disk) included.
+    assert summary["answers_identical"] and summary["answers_compared"] == 4
+    assert summary["disk_answers_compared"] == 2 and summary["answers_not_compared"] == []
+    assert summary["verified"]
     assert sum(r["disk"] + r["host"] + r["device"] for r in rest) > 0
 
 

@@ -152,6 +152,91 @@ def test_tiered_answers_are_compared_token_for_token() -> None:
     assert not tiered.summary(results)["answers_identical"]
 
 
+def test_tiered_demo_fails_when_the_turn_loaded_from_disk_is_not_compared(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Fault: the first server never answered the last turn, so the second
+    server's answers to it, the prompts it loads from disk, were compared with
+    nothing; only the replays of earlier turns (their prefixes in the GPU
+    cache, a block or so from the CPU tier) were. A last-turn answer on wrong
+    bytes from disk passed with exit status 0."""
+    results = [served(1, 1, 1), served(1, 2, 1),
+               served(2, 1, 2, disk=128, token_ids=(9, 9)),
+               served(2, 2, 2, disk=96, token_ids=(9, 9)),
+               served(2, 1, 1), served(2, 2, 1)]
+    assert _status(monkeypatch, tmp_path, results) == 1, "turn 2 was compared with nothing"
+    s = json.loads(capsys.readouterr().out)["summary"]
+    assert not s["answers_identical"] and not s["verified"]
+    assert s["answers_not_compared"] == [[1, 2], [2, 2]]
+    assert s["disk_answers_compared"] == 0
+
+
+def test_tiered_demo_fails_when_a_last_turn_answer_differs(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The last turn, answered by both servers (the first from its GPU cache,
+    the second from disk): one answer of the second that differs by a token
+    fails the demo, though every replay of turn 1 is the same; the report
+    names it."""
+    results = [served(1, 1, 1), served(1, 2, 1), served(1, 1, 2), served(1, 2, 2),
+               served(2, 1, 2, disk=128), served(2, 2, 2, disk=96, token_ids=(5, 8)),
+               served(2, 1, 1), served(2, 2, 1)]
+    s = tiered.summary(results)
+    assert (s["answers_compared"], s["disk_answers_compared"]) == (4, 2)
+    assert s["answers_differing"] == [[2, 2]] and s["answers_not_compared"] == []
+    assert not s["answers_identical"] and not s["verified"]
+    assert _status(monkeypatch, tmp_path, results) == 1
+    capsys.readouterr()
+    tiered.print_report(results, s, as_json=False)
+    out = capsys.readouterr().out
+    assert "identical to server 1's: NO (4 compared, 2 of them on prompts with tokens from disk)" \
+        in out
+    assert "differ from server 1's (conversation, turn): 2 2" in out
+    # The same run with that answer right passes.
+    results[5] = served(2, 2, 2, disk=96)
+    assert tiered.summary(results)["verified"]
+    assert _status(monkeypatch, tmp_path, results) == 0
+    capsys.readouterr()
+
+
+def test_tiered_demo_first_server_answers_the_last_turn_after_the_others() -> None:
+    """The first server answered turns 1 to N-1 only, so the second server's
+    turn N (the one it loads from disk) had nothing to be compared with. Now
+    the first answers every conversation's turn N too, after its earlier turns
+    (whose blocks are on disk by then as before); the second starts with turn N
+    (its prefixes on disk only), then replays turns 1 to N-1."""
+    first, second = tiered.plans(Workload(conversations=2, turns=3))
+    assert first == [(1, 1), (2, 1), (1, 2), (2, 2), (1, 3), (2, 3)]
+    assert second == [(1, 3), (2, 3), (1, 1), (2, 1), (1, 2), (2, 2)]
+    assert set(second) <= set(first), "an answer of the second server is compared with nothing"
+
+
+def test_tiered_demo_runs_the_planned_turns_on_each_server(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """``run`` gives each server its plan (no engine: servers and requests faked)."""
+    import contextlib
+
+    asked: list[tuple[int, list[tuple[int, int]]]] = []
+
+    class FakeServer(contextlib.nullcontext):  # type: ignore[type-arg]
+        def __init__(self, argv: list[str], port: int, log: Path) -> None:
+            super().__init__()
+            self.url = f"http://127.0.0.1:{port}"
+
+    def fake_serve(url: str, model: Path, server: int, w: Workload,
+                   turns: list[tuple[int, int]], *rest: object) -> list[Served]:
+        asked.append((server, list(turns)))
+        return [served(server, c, n) for c, n in turns]
+
+    monkeypatch.setattr(tiered, "ServerProcess", FakeServer)
+    monkeypatch.setattr(tiered, "serve_turns", fake_serve)
+    w = Workload(conversations=2, turns=2)
+    results = tiered.run(tmp_path, tmp_path / "disk", w, 1 << 20, lambda s: None, lambda r: None)
+    assert asked == [(1, [(1, 1), (2, 1), (1, 2), (2, 2)]),
+                     (2, [(1, 2), (2, 2), (1, 1), (2, 1)])]
+    assert tiered.summary(results)["answers_not_compared"] == []
+
+
 def _no_servers(*args: object, **kwargs: object) -> None:
     pytest.fail("the demo started its servers")
 
@@ -215,7 +300,8 @@ def test_tiered_demo_catches_wrong_bytes_from_disk(
 ) -> None:
     """Negative control of the tiered demo (it had none): between the servers,
     every block on disk is zeroed, checksums kept valid. The second server
-    loads them; its answers must differ from the first's and the demo exit 1."""
+    loads them; its answers must differ from the first's (a last-turn answer,
+    its prompt from disk, among them) and the demo exit 1."""
     disk = tmp_path / "disk"
     zeroed: list[int] = []
     serve = tiered.serve_turns
@@ -233,5 +319,13 @@ def test_tiered_demo_catches_wrong_bytes_from_disk(
     report = json.loads(capsys.readouterr().out)
     assert zeroed and zeroed[0] > 0
     assert report["summary"]["server2"]["disk"] > 0, "the zeroed blocks were not loaded"
-    assert report["summary"]["answers_compared"] == 2
+    assert report["summary"]["answers_compared"] == 4
+    assert report["summary"]["answers_not_compared"] == []
     assert not report["summary"]["answers_identical"], "wrong KV from disk went unnoticed"
+    # The last turn, whose prefixes the second server loaded from disk, is what
+    # the comparison must catch (not only the replays' last block from the CPU tier).
+    # (at least one: on a random tiny model one 8-token answer could come out
+    # the same from zeroed KV by chance; every one differed in the runs made)
+    last = [[c, 2] for c in (1, 2)]
+    differing = report["summary"]["answers_differing"]
+    assert any(d in differing for d in last), f"turn 2 matched on zeroed KV: {differing}"

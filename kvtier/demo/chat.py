@@ -383,7 +383,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--disk", type=Path, default=None, metavar="DIR",
                         help="the tiered demo instead: two servers one after the other with "
                         "a disk tier in DIR (new or empty); the second gets its first "
-                        "prefixes from disk")
+                        "prefixes from disk, and its answers, those included, are "
+                        "checked token for token against the first's")
 
 
 def workload(args: argparse.Namespace) -> Workload:

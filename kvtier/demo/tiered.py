@@ -3,20 +3,24 @@
 Two real servers run one after the other (``kvtier serve``, vLLM's HTTP
 server, the tiny local model), both with a disk tier on ``DIR``:
 
-1. the first serves the first ``turns - 1`` turns of every conversation of the
-   chat workload (kvtier writes their blocks through to disk) and stops;
+1. the first serves turns 1 to ``turns - 1`` of every conversation of the chat
+   workload, then every conversation's last turn (kvtier writes their blocks
+   through to disk), and stops;
 2. the second, a new process with an empty GPU cache and an empty CPU tier,
-   serves the same conversations' next turn, then all turns again.
+   serves every conversation's last turn, then turns 1 to ``turns - 1`` again.
 
-Its first prompts find their prefixes on disk; what they promote is in the CPU
-tier for later ones. For every request the demo prints where its prompt's
-tokens came from: the engine's own prefix cache (``device``), kvtier's CPU
-tier (``host``), the disk tier (``disk``), or computed. The figures are the
-server's own (``vllm:prompt_tokens_cached_by_source`` before and after each
-request); requests go one at a time. Greedy answers of the second server are
-checked token for token against the first's where both answered the same
-prompt. The demo fails (exit status 1) when an answer differs, when nothing
-was compared, when the second server got nothing from disk, or when the first
+The second server's first prompts find their prefixes on disk; what they
+promote is in the CPU tier for later ones. For every request the demo prints
+where its prompt's tokens came from: the engine's own prefix cache
+(``device``), kvtier's CPU tier (``host``), the disk tier (``disk``), or
+computed. The figures are the server's own
+(``vllm:prompt_tokens_cached_by_source`` before and after each request);
+requests go one at a time. Both servers answer the same prompts (the second's
+use the first's replies), and every greedy answer of the second server is
+checked token for token against the first's, the last turn's (the prompts it
+loads from disk) included. The demo fails (exit status 1) when an answer
+differs, when an answer of the second server has none of the first's to be
+compared with, when the second server got nothing from disk, or when the first
 did (it must start from an empty disk tier: ``DIR`` must be new or empty).
 """
 
@@ -131,18 +135,35 @@ def server_argv(model: Path, disk: Path, port: int, cpu_bytes: int) -> list[str]
 
 
 def check_args(disk: Path, w: Workload) -> None:
-    """``DemoError`` unless the first server can serve a turn (``w.turns`` >= 2)
-    and start from an empty disk tier: a ``disk`` directory holding an earlier
-    run's blocks would serve both servers the same bytes from disk, and their
-    answers' comparison would check nothing."""
+    """``DemoError`` unless there is a turn before the last (``w.turns`` >= 2):
+    the second server starts with a last turn whose earlier turns the first
+    served; and unless the first server starts from an empty disk tier: a
+    ``disk`` directory holding an earlier run's blocks would serve both
+    servers the same bytes from disk, and their answers' comparison would
+    check nothing."""
     if w.turns < 2:
-        raise DemoError("--disk needs --turns 2 or more: the first server serves all "
-                        "turns but the last")
+        raise DemoError("--disk needs --turns 2 or more: the second server starts with "
+                        "a last turn whose earlier turns the first served")
     if disk.exists() and not disk.is_dir():
         raise DemoError(f"--disk {disk} is not a directory")
     if disk.is_dir() and any(disk.iterdir()):
         raise DemoError(f"--disk {disk} is not empty: the first server must start with "
                         "an empty disk tier (give a new or empty directory)")
+
+
+def plans(w: Workload) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """The (conversation, turn) requests of the first and of the second server.
+
+    The first serves turns 1 to ``turns - 1``, then the last turn, so that the
+    second server's answers to the last turn, whose prefixes it loads from
+    disk, have answers of the first to be compared with. (The first answers it
+    after its other turns, from its own GPU cache, not from disk; its blocks
+    are written through to disk with theirs.) The second serves the last turn
+    first (its prefixes on disk only), then the others."""
+    conversations = range(1, w.conversations + 1)
+    earlier = [(c, t) for t in range(1, w.turns) for c in conversations]
+    last = [(c, w.turns) for c in conversations]
+    return earlier + last, last + earlier
 
 
 def run(model: Path, disk: Path, w: Workload, cpu_bytes: int,
@@ -151,9 +172,7 @@ def run(model: Path, disk: Path, w: Workload, cpu_bytes: int,
     from kvtier.tiers.redis_server import free_port
 
     replies: dict[tuple[int, int], list[int]] = {}
-    conversations = range(1, w.conversations + 1)
-    first = [(c, t) for t in range(1, w.turns) for c in conversations]
-    second = [(c, w.turns) for c in conversations] + first  # the new turn, then the old ones
+    first, second = plans(w)
     results = []
     with tempfile.TemporaryDirectory(prefix="kvtier-demo-logs-") as logs:
         for server, turns in ((1, first), (2, second)):
@@ -167,10 +186,15 @@ def run(model: Path, disk: Path, w: Workload, cpu_bytes: int,
 
 
 def summary(results: Sequence[Served]) -> dict[str, Any]:
-    """Totals per server; whether the second server's answers to prompts the
-    first also answered are the same (token for token, and at least one); and
-    whether the run showed what it is for (``verified``): identical answers,
-    the second server served from disk, the first not."""
+    """Totals per server; the second server's answers compared with the
+    first's to the same prompt, token for token: how many (``answers_compared``,
+    ``disk_answers_compared`` of them on prompts that got tokens from disk),
+    which differ (``answers_differing``) and which had no answer of the first
+    (``answers_not_compared``), as ``[conversation, turn]``;
+    ``answers_identical`` when at least one was compared, all of those are the
+    same and none went uncompared; and whether the run showed what it is for
+    (``verified``): identical answers, one of them on a prompt from disk, the
+    second server served from disk, the first not."""
     out: dict[str, Any] = {}
     for server in (1, 2):
         mine = [r for r in results if r.server == server]
@@ -179,12 +203,19 @@ def summary(results: Sequence[Served]) -> dict[str, Any]:
             **{s: sum(getattr(r, s) for r in mine) for s in (*SOURCES, "computed")}}
     answers = {(r.conversation, r.turn): (r.token_ids, r.answer) for r in results
                if r.server == 1}
-    same = [(r.token_ids, r.answer) == answers[(r.conversation, r.turn)] for r in results
-            if r.server == 2 and (r.conversation, r.turn) in answers]
-    out["answers_compared"] = len(same)
-    out["answers_identical"] = bool(same) and all(same)
-    out["verified"] = (out["answers_identical"] and out["server1"]["disk"] == 0
-                       and out["server2"]["disk"] > 0)
+    second = [r for r in results if r.server == 2]
+    compared = [r for r in second if (r.conversation, r.turn) in answers]
+    differing = [r for r in compared
+                 if (r.token_ids, r.answer) != answers[(r.conversation, r.turn)]]
+    out["answers_compared"] = len(compared)
+    out["disk_answers_compared"] = sum(1 for r in compared if r.disk > 0)
+    out["answers_differing"] = [[r.conversation, r.turn] for r in differing]
+    out["answers_not_compared"] = [[r.conversation, r.turn] for r in second
+                                   if (r.conversation, r.turn) not in answers]
+    out["answers_identical"] = (bool(compared) and not differing
+                                and not out["answers_not_compared"])
+    out["verified"] = (out["answers_identical"] and out["disk_answers_compared"] > 0
+                       and out["server1"]["disk"] == 0 and out["server2"]["disk"] > 0)
     return out
 
 
@@ -206,7 +237,17 @@ def print_report(results: Sequence[Served], s: dict[str, Any], as_json: bool) ->
               f"{t['device']} from the GPU cache, {t['host']} from kvtier's CPU tier, "
               f"{t['disk']} from disk, {t['computed']} computed")
     print(f"greedy answers of server 2 identical to server 1's: "
-          f"{'yes' if s['answers_identical'] else 'NO'} ({s['answers_compared']} compared)")
+          f"{'yes' if s['answers_identical'] else 'NO'} ({s['answers_compared']} compared, "
+          f"{s['disk_answers_compared']} of them on prompts with tokens from disk)")
+    if s["answers_differing"]:
+        print("answers of server 2 that differ from server 1's (conversation, turn): "
+              + ", ".join(f"{c} {t}" for c, t in s["answers_differing"]))
+    if s["answers_not_compared"]:
+        print("answers of server 2 to prompts server 1 did not answer, not compared "
+              "(conversation, turn): " + ", ".join(f"{c} {t}" for c, t in
+                                                   s["answers_not_compared"]))
+    if s["answers_compared"] and not s["disk_answers_compared"]:
+        print("NO answer on a prompt with tokens from disk was compared")
     if not s["server2"]["disk"]:
         print("NO prompt tokens of server 2 came from disk: the disk tier served nothing")
     if s["server1"]["disk"]:
@@ -216,7 +257,8 @@ def print_report(results: Sequence[Served], s: dict[str, Any], as_json: bool) ->
 def run_from_args(args: argparse.Namespace, model: Path, w: Workload,
                say: Callable[[str], None]) -> int:
     """``kvtier demo --disk DIR`` (``kvtier.demo.tiered``); 1 unless the summary
-    says ``verified`` (answers identical, server 2 served from disk, server 1 not)."""
+    says ``verified`` (every answer of server 2 compared with server 1's and
+    identical, one on a prompt from disk; server 2 served from disk, server 1 not)."""
     if not args.json:
         print(f"kvtier demo --disk {args.disk}: {w.conversations} conversations x {w.turns} "
               "turns on two servers in a row (kvtier serve, a disk tier shared by both)")
