@@ -436,8 +436,10 @@ class TierCascade:
         return out
 
     def busy(self) -> bool:
-        """Whether any job is batched, queued or running."""
-        return bool(self._inflight or self._probes_in_flight or self._writes.busy())
+        """Whether any job is batched, queued or running (also a promotion a
+        reset abandoned: its slots are held back until it is applied)."""
+        return bool(self._inflight or self._stalls or self._probes_in_flight
+                    or self._writes.busy())
 
     def drain(self, timeout_s: float = 30.0) -> bool:
         """End steps until every submitted job finished and was applied; False
