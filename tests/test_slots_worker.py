@@ -201,6 +201,8 @@ def test_mismatched_or_empty_tensors_rejected(region: SlotRegion) -> None:
         )
     with pytest.raises(ValueError, match="at least one KV tensor"):
         TransferWorker([], region)
+    with pytest.raises(ValueError, match="cuda_copy must be one of"):
+        TransferWorker([torch.zeros(4, 8, dtype=torch.int8)], region, cuda_copy="fast")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="copy_threads"):
         TransferWorker([torch.zeros(4, 8, dtype=torch.int8)], region, copy_threads=0)
     with pytest.raises(ValueError, match="bad tensor indices"):

@@ -35,7 +35,6 @@ import numpy as np
 import torch
 
 from kvtier.slots.jobs import (
-    CUDA_COPY_MODES,
     Batch,
     CudaCopy,
     Direction,
@@ -202,8 +201,6 @@ class CudaCopier:
     """
 
     def __init__(self, worker: TransferWorker, cuda_copy: CudaCopy = "auto") -> None:
-        if cuda_copy not in CUDA_COPY_MODES:
-            raise ValueError(f"cuda_copy must be one of {CUDA_COPY_MODES}, got {cuda_copy!r}")
         self._device = worker.tensors[0].device
         self._tensors = worker.tensors
         self._layout = worker.layout

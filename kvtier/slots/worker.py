@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from kvtier.slots.jobs import (
+    CUDA_COPY_MODES,
     Batch,
     CudaCopy,
     Direction,
@@ -176,6 +177,8 @@ class TransferWorker:
         ``cuda_copy`` picks how bytes cross to the slots (``kvtier.slots.cuda``)."""
         if not kv_tensors:
             raise ValueError("TransferWorker needs at least one KV tensor")
+        if cuda_copy not in CUDA_COPY_MODES:  # checked on CPU too: a config error either way
+            raise ValueError(f"cuda_copy must be one of {CUDA_COPY_MODES}, got {cuda_copy!r}")
         self.tensors = [as_block_bytes(t) for t in kv_tensors]
         self.num_blocks = self._common_num_blocks(self.tensors)
         self.layout = SlotLayout.build([t.shape[1] for t in self.tensors], groups)
