@@ -7,6 +7,7 @@ import errno
 import fcntl
 import json
 import os
+import re
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -204,3 +205,32 @@ def test_redis_keys_the_user_may_not_read_are_not_reported_as_foreign(
     assert code == 2, out
     assert err.startswith("kvtier: error: ") and "NoPermissionError" in err
     assert "tenant-a-pw" not in err
+
+
+# ------------------------------------------------------------ purge stopped part way
+def test_purge_stopped_by_an_unreadable_directory_says_what_it_removed(
+    cache: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Fault: a directory purge could not read (EIO) stopped it with only the
+    # error: the blocks it had already removed from the namespace before went
+    # unreported, so the operator could not tell what was gone. Now it prints
+    # what it removed, then the error (exit status 2).
+    _, selected = disk_admin.select(cache)
+    (first, _), (second, _) = selected  # purged in this order
+    counts = {NS_A: 6, NS_B: 3}
+    victim = str(block_path(cache, second, 0 if second == NS_A else 100).parent)
+    real_scandir = os.scandir
+
+    def scandir(path: Any = ".") -> Any:
+        if os.fspath(path) == victim:
+            raise OSError(errno.EIO, "Input/output error", victim)
+        return real_scandir(path)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    code, out, err = run(capsys, "disk", "purge", str(cache), "--yes")
+    monkeypatch.undo()
+    assert code == 2, (code, out, err)
+    assert "Input/output error" in err and "stopped part way" in err
+    assert not [p for p in files_under(cache) if first in str(p)]
+    found = re.search(r"before it stopped, removed (\d+) blocks", out)
+    assert found and int(found.group(1)) >= counts[first], out

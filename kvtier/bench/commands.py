@@ -126,7 +126,8 @@ def add_bench_parser(commands: Any) -> None:
                    help="keep the runs of OUT/runs.jsonl (made with the same settings); "
                    "without it they are moved aside to runs.jsonl.N")
     p.add_argument("--summarize", action="store_true",
-                   help="only summarize OUT/runs.jsonl (no new runs)")
+                   help="only summarize OUT/runs.jsonl (no new runs): every run "
+                        "in it, whatever --repeats says")
     p.set_defaults(func=cmd_bench_serve)
     _add_faults(sub)
 

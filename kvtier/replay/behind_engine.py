@@ -94,7 +94,9 @@ class BehindEngineResult(ReplayResult):
     request's engine hit); ``hit_blocks`` / ``queried_blocks`` are the same in
     full blocks (those kvtier was asked about); ``offered_blocks`` are the
     requests' full prompt blocks (``us_per_key`` is manager time per such
-    block) and ``kvtier_offered_blocks`` the blocks offered to kvtier;
+    block) and ``kvtier_offered_blocks`` the blocks offered to kvtier (an
+    offer refused for want of room is retried at the request's next step, as
+    vLLM does, and counted again);
     ``gpu_hit_ratio`` = ``gpu_hit_tokens`` / ``prompt_tokens``;
     ``combined_hit_ratio`` = (engine + kvtier hit tokens) / ``prompt_tokens``.
     ``gpu_blocks`` is vLLM's ``num_gpu_blocks`` (one of them its null block).

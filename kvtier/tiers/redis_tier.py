@@ -106,6 +106,10 @@ class _Failed:
     """The result of a call that did not reach the server (or was refused)."""
 
 
+class _ClosedUnderCall(Exception):
+    """A call failed because ``RedisTier.close()`` ran during it."""
+
+
 FAILED = _Failed()
 
 
@@ -204,9 +208,13 @@ class RedisTier(Tier):
 
     # ------------------------------------------------------------------ client
     def _client(self) -> Any:
+        """The client, built on first use; ValueError once the tier is closed
+        (a call that passed its ``_check_open`` before ``close`` must not build
+        a new client that nothing would ever close)."""
         if self._client_obj is not None:
             return self._client_obj
         with self._client_lock:
+            self._check_open()
             if self._client_obj is not None:
                 return self._client_obj
             kwargs: dict[str, Any] = {
@@ -229,7 +237,13 @@ class RedisTier(Tier):
                 raise TierConfigError(
                     f"redis_url {self.safe_url!r}: {self._describe(exc, with_type=False)}"
                 ) from None
-            return self._client_obj
+            client = self._client_obj
+            if self._closed:  # closed while a cluster client connected: close() missed it
+                self._client_obj = None
+                with contextlib.suppress(Exception):
+                    client.close()
+                self._check_open()
+            return client
 
     def _describe(self, exc: BaseException, with_type: bool = True) -> str:
         """``"Type: message"`` of ``exc`` with the URL redacted and any password
@@ -261,13 +275,20 @@ class RedisTier(Tier):
             raise ValueError(f"redis tier {self.safe_url} is closed")
 
     def _run(self, fn: Callable[[Any], T]) -> T | _Failed:
-        """Run ``fn(client)`` through the breaker; FAILED if refused or it failed."""
-        self._check_open()
+        """Run ``fn(client)`` through the breaker; FAILED if refused or it failed.
+
+        A call that ``close()`` overtakes (its sockets shut under it, or the
+        tier closed between two batches of one call) is FAILED too, and none
+        of the server's failures: no breaker count, no error, no warning."""
+        if self._closed:
+            return FAILED
         if not self._breaker.allow():
             self._counters.add("rejected")
             return FAILED
         try:
-            result = fn(self._client())
+            result = self._call(fn)
+        except _ClosedUnderCall:
+            return FAILED
         except TierConfigError:
             self._breaker.record_success()
             raise
@@ -292,6 +313,18 @@ class RedisTier(Tier):
             return FAILED
         self._breaker.record_success()
         return result
+
+    def _call(self, fn: Callable[[Any], T]) -> T:
+        """``fn(client)``; what it raises once the tier is closed becomes
+        :class:`_ClosedUnderCall`: redis-py, its connection shut from another
+        thread, fails in any way (``ConnectionError``, ``AttributeError`` on
+        its parser's dropped buffer)."""
+        try:
+            return fn(self._client())
+        except Exception:
+            if self._closed:
+                raise _ClosedUnderCall from None
+            raise
 
     def _drop_idle_connections(self) -> None:
         """After a transport failure, pooled connections are likely dead too: close
@@ -630,7 +663,10 @@ class RedisTier(Tier):
         return {"events": len(self._events)}
 
     def close(self) -> None:
-        self._closed = True
+        """Close the client's connections; calls running now (an I/O thread left
+        in a hung server) end at once as misses / dropped stores, later ones
+        raise ValueError. Never waits for the server."""
+        self._closed = True  # before taking the client: see _client
         client, self._client_obj = self._client_obj, None
         if client is not None:
             with contextlib.suppress(RedisError, OSError):
