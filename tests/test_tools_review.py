@@ -57,6 +57,18 @@ def _open_fifo_writer(path: Path) -> None:
     os.close(fd)
 
 
+def _fail_scandir(monkeypatch: pytest.MonkeyPatch, victim: str) -> None:
+    """Make ``os.scandir(victim)`` fail with EIO (root reads through chmod 000)."""
+    real_scandir = os.scandir
+
+    def scandir(path: Any = ".") -> Any:
+        if os.fspath(path) == victim:
+            raise OSError(errno.EIO, "Input/output error", victim)
+        return real_scandir(path)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+
+
 # ------------------------------------------------------------ unreadable directories
 @pytest.mark.parametrize("action", ["inspect", "verify", "purge"])
 def test_an_unreadable_fan_out_directory_is_an_error_not_a_traceback(
@@ -71,14 +83,7 @@ def test_an_unreadable_fan_out_directory_is_an_error_not_a_traceback(
     # (The tests run as root, where chmod 000 does not stop a read: the failing
     # scandir is simulated for one directory.)
     victim = str(block_path(cache, NS_A, 0).parent)
-    real_scandir = os.scandir
-
-    def scandir(path: Any = ".") -> Any:
-        if os.fspath(path) == victim:
-            raise OSError(errno.EIO, "Input/output error", victim)
-        return real_scandir(path)
-
-    monkeypatch.setattr(os, "scandir", scandir)
+    _fail_scandir(monkeypatch, victim)
     extra = ["--yes"] if action == "purge" else []
     code, out, err = run(capsys, "disk", action, str(cache), *extra)
     assert code == 2, (code, out, err)
@@ -219,14 +224,7 @@ def test_purge_stopped_by_an_unreadable_directory_says_what_it_removed(
     (first, _), (second, _) = selected  # purged in this order
     counts = {NS_A: 6, NS_B: 3}
     victim = str(block_path(cache, second, 0 if second == NS_A else 100).parent)
-    real_scandir = os.scandir
-
-    def scandir(path: Any = ".") -> Any:
-        if os.fspath(path) == victim:
-            raise OSError(errno.EIO, "Input/output error", victim)
-        return real_scandir(path)
-
-    monkeypatch.setattr(os, "scandir", scandir)
+    _fail_scandir(monkeypatch, victim)
     code, out, err = run(capsys, "disk", "purge", str(cache), "--yes")
     monkeypatch.undo()
     assert code == 2, (code, out, err)

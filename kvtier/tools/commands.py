@@ -248,7 +248,7 @@ def cmd_disk_purge(args: argparse.Namespace) -> int:
         print(f"{PROG}: purge cancelled, nothing removed", file=sys.stderr)
         return 1
     s = _call(disk_admin.purge_disk, selected)
-    print(f"removed {plural(s.blocks, 'block')} ({human_bytes(s.bytes)}), "
+    print(f"{'before it stopped, ' if s.stopped else ''}removed {plural(s.blocks, 'block')} ({human_bytes(s.bytes)}), "
           f"{plural(s.temp_files, 'temp file')} and {plural(s.manifests, 'manifest')} "
           f"from {plural(s.namespaces, 'namespace')}; "
           f"{plural(s.namespace_dirs_removed, 'namespace directory', 'namespace directories')}"
@@ -262,8 +262,9 @@ def cmd_disk_purge(args: argparse.Namespace) -> int:
     if s.failed:
         print(f"{PROG}: could not remove {plural(s.failed, 'file')}: {s.first_error}",
               file=sys.stderr)
-        return 1
-    return 0
+    if s.stopped is not None:  # what was removed is printed above; then the error
+        raise CommandError(f"purge stopped part way: {s.stopped}")
+    return 1 if s.failed else 0
 
 
 def _confirm_purge(root: Path, selected: Namespaces) -> bool:

@@ -33,6 +33,7 @@ from kvtier.tiers import blockfile
 from kvtier.tiers.blockfile import CorruptBlockError
 from kvtier.tiers.disk import MAX_DISK_KEY_BYTES, TMP_MAX_AGE_S
 from kvtier.tiers.disk_dir import BLOCK_SUFFIX, fan_out_index, stale_temp
+from kvtier.tools import AdminError
 from kvtier.tools.disk_layout import (
     Entry,
     FileIdent,
@@ -394,6 +395,9 @@ class PurgeSummary:
     """Entries that are not kvtier's: left where they are."""
     failed: int = 0
     first_error: str | None = None
+    stopped: str | None = None
+    """Why the purge stopped part way (a directory it could not read), or None;
+    the counts above are what it removed before."""
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready fields."""
@@ -403,10 +407,15 @@ class PurgeSummary:
 def purge_disk(selected: Namespaces) -> PurgeSummary:
     """Remove kvtier's files of ``selected``: block files, temp files (but those
     of running writers), manifests, then the fan-out and namespace directories
-    that are empty. Nothing else."""
+    that are empty. Nothing else. A directory it cannot read stops it
+    (``stopped``), with what it removed until then counted."""
     summary = PurgeSummary(namespaces=len(selected))
     for _, ns_dir in selected:
-        _purge_namespace(ns_dir, summary)
+        try:
+            _purge_namespace(ns_dir, summary)
+        except AdminError as exc:
+            summary.stopped = str(exc)
+            break
     return summary
 
 
