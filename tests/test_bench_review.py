@@ -434,3 +434,47 @@ def test_a_client_that_fails_mid_benchmark_is_one_line_of_error(
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("kvtier: error: ") and "--resume continues" in err, err
+
+
+def test_the_after_probe_is_not_counted_as_the_loads_kvtier_tokens(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The "kvtier tok" column is the load's prompt tokens kvtier served. The
+    metrics were scraped after the probe that checks the answer did not
+    change, so a probe served from kvtier (its blocks left the engine's cache
+    during the load) was counted as the load's: up to PROBE_PROMPT_TOKENS more
+    than the load got, also in the column of a run whose fault cut kvtier off."""
+    work = tmp_path / "out"
+    (work / "results").mkdir(parents=True)
+    (work / "logs").mkdir()
+    served = {"kvtier": 0.0, "probes": 0}
+
+    def probe(url: str, model: Path) -> str:
+        served["probes"] += 1
+        if served["probes"] > 1:  # the after probe: served from kvtier
+            served["kvtier"] += faults.PROBE_PROMPT_TOKENS
+        return "answer"
+
+    def scrape(url: str, timeout_s: float = 10.0) -> prom.Samples:
+        return {("vllm:num_requests_running", ()): 1.0,
+                ("vllm:prompt_tokens_cached_by_source_total",
+                 (("source", "kvtier"),)): served["kvtier"]}
+
+    def popen(*args: object, **kwargs: object) -> _Client:
+        served["kvtier"] += 1000.0  # what the load got from kvtier
+        (work / "results" / "none.json").write_text(json.dumps(
+            {"completed": 10, "failed": 0, "p99_ttft_ms": 5.0, "ttfts": [0.005]}))
+        return _Client(0)
+
+    monkeypatch.setattr(faults, "probe", probe)
+    monkeypatch.setattr(prom, "scrape", scrape)
+    monkeypatch.setattr(faults.subprocess, "Popen", popen)
+
+    class Server:
+        url = "http://127.0.0.1:1"
+
+    s = faults.FaultSettings(model=tmp_path / "model", out=work, fault_at_s=0.0,
+                             fault_for_s=0.0)
+    st = faults.Stage(redis=None, disk=tmp_path / "disk", control=tmp_path / "slow")
+    r = faults._load_with_fault(s, "none", st, Server(), work / "trace.jsonl", work)  # type: ignore[arg-type]
+    assert served["probes"] == 2 and r.probe_same
+    assert r.kvtier_tokens == 1000.0

@@ -275,8 +275,8 @@ def _load_with_fault(s: FaultSettings, fault: str, st: Stage, server: ServerProc
     if client.returncode != 0 or not result_file.is_file():
         raise ServerError(f"the {fault} run's client (vllm bench serve) exited with status "
                           f"{client.returncode} without its results; see {client_log}")
+    samples = prom.scrape(server.url)  # before the probe: the figures are the load's
     after = probe(server.url, s.model)
-    samples = prom.scrape(server.url)
     detail = json.loads(result_file.read_text())
     return _result(fault, detail, samples, after, before)
 
