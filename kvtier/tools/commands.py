@@ -248,7 +248,8 @@ def cmd_disk_purge(args: argparse.Namespace) -> int:
         print(f"{PROG}: purge cancelled, nothing removed", file=sys.stderr)
         return 1
     s = _call(disk_admin.purge_disk, selected)
-    print(f"{'before it stopped, ' if s.stopped else ''}removed {plural(s.blocks, 'block')} ({human_bytes(s.bytes)}), "
+    print(f"{'before it stopped, ' if s.stopped else ''}"
+          f"removed {plural(s.blocks, 'block')} ({human_bytes(s.bytes)}), "
           f"{plural(s.temp_files, 'temp file')} and {plural(s.manifests, 'manifest')} "
           f"from {plural(s.namespaces, 'namespace')}; "
           f"{plural(s.namespace_dirs_removed, 'namespace directory', 'namespace directories')}"
