@@ -32,24 +32,56 @@ def _read_limit(path: Path) -> int | None:
     return value if value < NO_LIMIT else None
 
 
-def _own_cgroup() -> str:
-    """This process's cgroup v2 path ("" when unknown or at the root)."""
+PROC_SELF_CGROUP = Path("/proc/self/cgroup")
+"""Where the kernel lists this process's cgroups, one hierarchy a line."""
+
+
+def _own_cgroups() -> tuple[str | None, str | None]:
+    """This process's cgroup v2 path and its cgroup v1 memory controller's
+    path, relative to their hierarchy's root ("" at the root, None when the
+    process is in no such hierarchy or it cannot be read)."""
+    v2: str | None = None
+    v1: str | None = None
     try:
-        for line in Path("/proc/self/cgroup").read_text().splitlines():
-            if line.startswith("0::"):
-                return line[3:].strip().lstrip("/")
+        lines = PROC_SELF_CGROUP.read_text().splitlines()
     except OSError:
-        pass
-    return ""
+        return None, None
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        hierarchy, controllers, path = parts
+        if hierarchy == "0" and not controllers:
+            v2 = path.strip().strip("/")
+        elif "memory" in controllers.split(","):
+            v1 = path.strip().strip("/")
+    return v2, v1
+
+
+def _with_ancestors(base: Path, own: str | None, name: str) -> list[Path]:
+    """``name`` in the hierarchy's root at ``base`` and in every cgroup from
+    there down to ``own``: a limit on any ancestor binds its descendants."""
+    paths = [base / name]
+    parts = own.split("/") if own else []
+    if ".." in parts:  # outside this cgroup namespace's root: its paths are not ours
+        return paths
+    node = base
+    for part in parts:
+        node = node / part
+        paths.append(node / name)
+    return paths
 
 
 def cgroup_limit_bytes(root: Path = CGROUP_ROOT) -> int | None:
-    """The memory limit of this process's cgroup (v2, or v1's memory
-    controller), None when there is none or it cannot be read."""
-    candidates = [root / "memory.max", root / "memory" / "memory.limit_in_bytes"]
-    own = _own_cgroup()
-    if own:
-        candidates.insert(0, root / own / "memory.max")
+    """The memory limit that binds this process: the lowest of its cgroup's
+    and its ancestors' (cgroup v2, or v1's memory controller), None when
+    there is none or none can be read.
+
+    The hierarchy's root as mounted here comes first: a container's mount
+    often shows its own cgroup there, under a path that names the host's."""
+    v2, v1 = _own_cgroups()
+    candidates = _with_ancestors(root, v2, "memory.max")
+    candidates += _with_ancestors(root / "memory", v1, "memory.limit_in_bytes")
     limits = [limit for path in candidates if (limit := _read_limit(path)) is not None]
     return min(limits) if limits else None
 

@@ -164,8 +164,38 @@ def _check_free_space(directory: Path, needed: int) -> None:
     available = stats.f_bavail * stats.f_frsize
     if needed > available:
         raise MemoryError(
-            f"slot region needs {needed} bytes but {directory} has only {available} bytes free"
+            f"slot region needs {needed} bytes but {directory} has only {available} bytes "
+            "free: lower the CPU tier's size (cpu_bytes_to_use) or give the shared-memory "
+            "file system more room (e.g. docker --shm-size)"
         )
+
+
+def _reserve_space(fd: int, total: int, directory: Path) -> None:
+    """Allocate the region file's ``total`` bytes now (on tmpfs: its pages).
+
+    A sparse file takes no room: the free-space check would pass for every
+    region that fits alone (the ranks of one engine create theirs at once),
+    and whichever then touched a page the file system no longer had would be
+    killed by SIGBUS, at start-up or in the middle of a copy. Raises
+    ``MemoryError`` when the room is not there; a file system without
+    ``fallocate`` leaves the file sparse.
+    """
+    fallocate = getattr(os, "posix_fallocate", None)
+    if fallocate is None:  # not on every platform
+        return
+    try:
+        fallocate(fd, 0, total)
+    except OSError as exc:
+        if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            return
+        if exc.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG, errno.EDQUOT):
+            raise MemoryError(
+                f"slot region needs {total} bytes but {directory} cannot hold them "
+                f"({exc.strerror}; other regions or files took its free space): lower "
+                "the CPU tier's size (cpu_bytes_to_use) or give the shared-memory "
+                "file system more room (e.g. docker --shm-size)"
+            ) from exc
+        raise
 
 
 def cleanup_stale_regions(shm_dir: str | Path | None = None) -> list[Path]:
@@ -284,9 +314,11 @@ class SlotRegion:
         The file is ``name`` (default ``region_name(engine_id)``: engine id and
         this process's pid) under ``shm_dir`` (default ``/dev/shm``). Raises
         ``FileExistsError`` if that file exists and ``MemoryError`` if the
-        shared-memory file system lacks room. ``populate`` pre-faults every page
-        so later copies never page-fault. ``reaper``: a child process removes
-        the file even if this process is killed (``kvtier.slots.reaper``).
+        shared-memory file system lacks room: the file's space is allocated
+        here, so a region that was created never runs out of it later.
+        ``populate`` pre-faults every page so later copies never page-fault.
+        ``reaper``: a child process removes the file even if this process is
+        killed (``kvtier.slots.reaper``).
         """
         _check_geometry(num_slots, slot_bytes, alignment)
         directory = Path(shm_dir) if shm_dir is not None else default_shm_dir()
@@ -337,6 +369,7 @@ class SlotRegion:
         try:
             hold_lock(fd)  # for the region's life: no other engine's cleanup removes it
             os.ftruncate(fd, total)
+            _reserve_space(fd, total, path.parent)
             os.pwrite(fd, header.pack(), 0)
             os.link(tmp, path)  # fails with FileExistsError, unlike rename
         except FileExistsError as exc:

@@ -118,7 +118,9 @@ def _as_ids(values: Any, label: str) -> IntArray:
         raise ValueError(f"{label} must be one-dimensional, got shape {ids.shape}")
     if ids.size and not np.issubdtype(ids.dtype, np.integer):
         raise TypeError(f"{label} must be integers, got dtype {ids.dtype}")
-    return ids.astype(np.int64, copy=False)
+    # Always a copy: an asynchronous job reads its ids after submit returned,
+    # and a caller reusing its id buffer must not change which blocks it moves.
+    return ids.astype(np.int64, copy=True)
 
 
 def _check_range(ids: IntArray, limit: int, label: str) -> None:
@@ -158,7 +160,10 @@ class TransferWorker:
     one block of one KV group laid out by :class:`SlotLayout`, and fits in
     ``region.slot_bytes``; every submitted job yields exactly one
     :class:`TransferResult` from ``get_finished`` - a job that fails (bad ids,
-    a copy error) is reported with ``success=False`` and never raises.
+    a copy error, a job after ``shutdown``) is reported with ``success=False``
+    and never raises. Memory: one result (and, until it ran, one batch of ids)
+    per job submitted and not yet returned by ``get_finished``; the engine
+    polls every step, which bounds them by the jobs of a few steps.
     """
 
     def __init__(
@@ -190,6 +195,7 @@ class TransferWorker:
         self.region = region
         self._failed: deque[TransferResult] = deque()
         self._copier = self._make_copier(copy_threads, asynchronous, cuda_copy)
+        self._closed = False
 
     @staticmethod
     def _common_num_blocks(tensors: Sequence[torch.Tensor]) -> int:
@@ -241,6 +247,9 @@ class TransferWorker:
         group_sizes: Sequence[int] | None,
     ) -> None:
         try:
+            if self._closed:
+                # its resources are released (the region closed, unpinned): never a success
+                raise RuntimeError("transfer worker is shut down")
             batch = self.make_batch(job_id, direction, engine_block_ids, slot_ids, group_sizes)
             self._copier.submit(batch)
         except Exception as exc:  # reported as success=False
@@ -295,7 +304,9 @@ class TransferWorker:
         self._copier.wait(set(job_ids))
 
     def shutdown(self) -> None:
-        """Finish in-flight jobs and release backend resources."""
+        """Finish in-flight jobs and release backend resources; jobs submitted
+        afterwards fail (``success=False``) without copying."""
+        self._closed = True
         self._copier.close()
 
 
@@ -330,7 +341,8 @@ class CpuCopier:
 
     Owns numpy views of the engine tensors and region, an optional pool of copy
     threads, and an optional single background thread that runs jobs in
-    submission order. Results are kept in submission order.
+    submission order. Results are kept in submission order, one per job not
+    yet polled (the worker's bound).
     """
 
     def __init__(self, worker: TransferWorker, copy_threads: int, asynchronous: bool):
