@@ -235,3 +235,31 @@ def test_a_cgroup_v1_memory_limit_binds(
         "memory/other/memory.limit_in_bytes": str(1 << 20),  # a sibling's: not ours
     }, monkeypatch)
     assert host_memory.cgroup_limit_bytes(root) == 3 << 30
+
+
+@pytest.mark.parametrize(("copy_threads", "asynchronous"), [(1, False), (2, True)])
+def test_a_cpu_store_leaves_no_earlier_blocks_bytes_in_its_slot(
+        copy_threads: int, asynchronous: bool) -> None:
+    # Fault: a slot is as wide as the largest KV group's block; a CPU store of
+    # a smaller group copied its pages and left the rest of the slot as the
+    # block it held before (another group's, another request's), and the
+    # disk and Redis tiers wrote those bytes with it. The CUDA path zeroes
+    # them (tests/test_slots_cuda.py::test_no_stale_gpu_memory_reaches_a_slot).
+    src = [torch.full((8, p), fill, dtype=torch.int8)
+           for p, fill in ((1024, 1), (2048, 2), (8192, 3))]
+    region = SlotRegion.create(f"test-{uuid.uuid4().hex[:12]}", 8, 8192)
+    try:
+        worker = TransferWorker(src, region, groups=[[0, 1], [2]],
+                                copy_threads=copy_threads, asynchronous=asynchronous)
+        worker.store(1, [0, 1], [4, 5], group_sizes=[0, 2])  # the large group's blocks
+        worker.wait([1])
+        assert all(r.success for r in worker.get_finished())
+        worker.store(2, [2, 3], [4, 5], group_sizes=[2, 0])  # then the small group's
+        worker.wait([2])
+        assert all(r.success for r in worker.get_finished())
+        rows = region.as_numpy()[[4, 5]]
+        assert (rows[:, :1024] == 1).all() and (rows[:, 1024:3072] == 2).all()
+        assert not rows[:, 3072:].any(), "a slot kept the bytes of the block before"
+        worker.shutdown()
+    finally:
+        region.close()

@@ -336,6 +336,24 @@ class _CopyTask:
         ]
 
 
+@dataclass(frozen=True)
+class _ZeroTask:
+    """A store's slots past its group's pages: ``tail[ids] = 0``, so that a
+    slot never carries the bytes of the block it held before (a larger
+    group's) down to the tiers, as the CUDA path's zeroed staging does."""
+
+    tail: U8Array
+    ids: IntArray
+
+    def run(self) -> None:
+        self.tail[self.ids] = 0
+
+    def split(self, parts: int) -> list[_ZeroTask]:
+        bounds = np.linspace(0, self.ids.size, parts + 1).astype(int)
+        return [_ZeroTask(self.tail, self.ids[a:b])
+                for a, b in itertools.pairwise(bounds.tolist()) if b > a]
+
+
 class CpuCopier:
     """CPU backend: numpy copies between engine tensors and slot columns.
 
@@ -350,7 +368,11 @@ class CpuCopier:
             raise ValueError(f"copy_threads must be >= 1, got {copy_threads}")
         self._engine = [t.numpy() for t in worker.tensors]
         self._groups = worker.layout.groups
-        self._columns = self._slot_columns(worker.layout, worker.region.as_numpy())
+        slots = worker.region.as_numpy()
+        self._columns = self._slot_columns(worker.layout, slots)
+        self._tails = [slots[:, worker.layout.group_bytes(g):] if
+                       worker.layout.group_bytes(g) < slots.shape[1] else None
+                       for g in range(len(worker.layout.groups))]
         self._threads = copy_threads
         self._pool = ThreadPoolExecutor(copy_threads, "kvtier-copy") if copy_threads > 1 else None
         self._runner = ThreadPoolExecutor(1, "kvtier-jobs") if asynchronous else None
@@ -365,17 +387,22 @@ class CpuCopier:
             for g, offs in zip(layout.groups, layout.offsets, strict=True)
         ]
 
-    def tasks(self, batch: Batch) -> list[_CopyTask]:
-        """One copy task per (segment, tensor) of the batch."""
-        tasks = []
+    def tasks(self, batch: Batch) -> list[_CopyTask | _ZeroTask]:
+        """One copy task per (segment, tensor) of the batch, and for a store of
+        a group smaller than the slot, one that zeroes the rest of its slots."""
+        tasks: list[_CopyTask | _ZeroTask] = []
+        store = batch.direction == "store"
         for seg in batch.segments:
             members = zip(self._groups[seg.group], self._columns[seg.group], strict=True)
             for t, column in members:
                 engine = self._engine[t]
-                if batch.direction == "store":
+                if store:
                     tasks.append(_CopyTask(column, seg.slot_ids, engine, seg.engine_ids))
                 else:
                     tasks.append(_CopyTask(engine, seg.engine_ids, column, seg.slot_ids))
+            tail = self._tails[seg.group]
+            if store and tail is not None:
+                tasks.append(_ZeroTask(tail, seg.slot_ids))
         return tasks
 
     def run(self, batch: Batch) -> TransferResult:
@@ -393,12 +420,12 @@ class CpuCopier:
             return TransferResult(batch.job_id, False, error=repr(exc))
         return TransferResult(batch.job_id, True, batch.num_bytes, time.perf_counter() - start)
 
-    def _run_parallel(self, tasks: list[_CopyTask]) -> None:
+    def _run_parallel(self, tasks: list[_CopyTask | _ZeroTask]) -> None:
         if self._pool is None:
             raise RuntimeError("no copy pool")
         if len(tasks) < self._threads:
             tasks = [part for task in tasks for part in task.split(self._threads)]
-        shards: list[list[_CopyTask]] = [tasks[i :: self._threads] for i in range(self._threads)]
+        shards = [tasks[i :: self._threads] for i in range(self._threads)]
         futures = [self._pool.submit(_run_all, shard) for shard in shards if shard]
         # every shard ends before a failure is reported: the caller frees or
         # reuses the job's slots and blocks then, and a shard still copying
@@ -435,6 +462,6 @@ class CpuCopier:
             self._pool.shutdown(wait=True)
 
 
-def _run_all(tasks: Sequence[_CopyTask]) -> None:
+def _run_all(tasks: Sequence[_CopyTask | _ZeroTask]) -> None:
     for task in tasks:
         task.run()
