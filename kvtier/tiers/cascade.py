@@ -55,7 +55,7 @@ from kvtier.request import RequestContext
 from kvtier.results import LookupResult, PrepareStoreOutput
 from kvtier.tiers.base import Tier, WarningLimiter
 from kvtier.tiers.cascade_writes import CascadeWrites
-from kvtier.tiers.io_pool import IOPool, Job, ProbeJob, PromotionJob, SlotSource
+from kvtier.tiers.io_pool import IOPool, Job, ProbeJob, PromotionJob, SlotSource, WriteJob
 from kvtier.tiers.outcomes import PromotionOutcomes
 from kvtier.tiers.probes import (
     DEFAULT_MAX_PROBES,
@@ -349,11 +349,23 @@ class TierCascade:
         elif isinstance(job, ProbeJob):
             self._probes_in_flight -= 1
             low = next(low for low in self.lower if low.tier is job.tier)
-            if low.probes is not None:
+            if low.probes is not None:  # aged from when the tier answered, not from now
                 low.probes.answer(job.keys, job.found or [False] * len(job.keys),
-                                  time.monotonic())
+                                  job.answered or time.monotonic())
         else:
             self._writes.finish(job)
+            self._forget_probes(job)
+
+    def _forget_probes(self, job: WriteJob) -> None:
+        """Drop the probe answers of the keys ``job`` wrote to remote tiers: a
+        "not there" asked before this write would hide the block for up to
+        ``probe_ttl_s`` (a block the CPU tier evicts soon after its first
+        lookup, as write-on-evict does to every block). The next lookup asks
+        again."""
+        for low in self.lower:
+            if low.probes is not None and any(t is low.tier for t in job.tiers):
+                for key in job.keys:
+                    low.probes.forget(key)
 
     def _abandon_jobs(self) -> list[int]:
         """Mark every unapplied promotion and write job abandoned; return the

@@ -91,11 +91,13 @@ class PromotionJob:
 @dataclass(slots=True)
 class ProbeJob:
     """One batched existence check of ``tier``; ``found`` is None until run,
-    all False when the tier failed."""
+    all False when the tier failed; ``answered``: when the tier answered
+    (monotonic), the age of the answers however late the owner applies them."""
 
     tier: Tier
     keys: list[bytes]
     found: list[bool] | None = None
+    answered: float | None = None
 
     def run(self, region: SlotSource | None) -> None:
         try:
@@ -103,6 +105,7 @@ class ProbeJob:
         except Exception as exc:
             _warn.warning("kvtier cascade: %s contains failed: %s", self.tier.name, exc)
             self.found = [False] * len(self.keys)
+        self.answered = time.monotonic()
 
 
 @dataclass(slots=True)

@@ -254,6 +254,22 @@ class RedisTier(Tier):
             text = text.replace(secret, "***")
         return f"{type(exc).__name__}: {text}" if with_type else text
 
+    def _explain(self, exc: BaseException) -> str:
+        """``_describe(exc)`` with what a TLS mismatch looks like: a plain
+        server that ``rediss://`` talks TLS to never answers the handshake
+        (a connect timeout), a TLS port sent plain commands drops the
+        connection (a reset); neither message says TLS."""
+        text = self._describe(exc)
+        tls = self._url.lower().startswith("rediss")
+        if tls and isinstance(exc, RedisTimeoutError) and "connecting" in str(exc):
+            return text + (" (or the port does not speak TLS: a rediss:// client waits "
+                           "for a TLS handshake that a plain server never answers)")
+        if not tls and isinstance(exc, RedisConnectionError) and any(
+                s in str(exc) for s in ("reset by peer", "closed by server", "Broken pipe")):
+            return text + (" (or the port speaks TLS: its URL must start with rediss://, "
+                           "a TLS port drops plain commands)")
+        return text
+
     def _rkey(self, key: bytes) -> bytes:
         return self._prefix + key
 
@@ -300,7 +316,7 @@ class RedisTier(Tier):
                                "(max_connections); calls beyond it are misses", self.safe_url)
             return FAILED
         except _TRANSPORT_ERRORS as exc:
-            self._last_failure = self._describe(exc)  # named when the breaker opens
+            self._last_failure = self._explain(exc)  # named when the breaker opens
             self._breaker.record_failure()
             self._counters.add("errors")
             self._drop_idle_connections()
@@ -630,7 +646,7 @@ class RedisTier(Tier):
             client.ping()
         except (RedisError, RedisClusterException, OSError) as exc:
             raise TierUnavailableError(
-                f"redis tier {self.safe_url}: {self._describe(exc)}"
+                f"redis tier {self.safe_url}: {self._explain(exc)}"
             ) from None
         info: dict[str, Any] = {}
         try:
