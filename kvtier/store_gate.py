@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from kvtier.admission import AdmissionTracker
 from kvtier.errors import ProtocolError
+from kvtier.keys import GROUP_BYTES
 from kvtier.policies import EvictionPolicy
 from kvtier.request import RequestContext
 
@@ -21,9 +22,11 @@ class StoreGate:
     Owns the admission tracker (None while ``store_threshold < 2``: every
     offer passes it), the switch ``policy_admission`` and the counter
     ``skipped``. Invariants: what passes is a subsequence of the candidates
-    in their order, and what the policy declines is a suffix (so a stored
-    block's prefix is stored with it); a key declined again by the same
-    request is not counted again (the request's ``skipped`` set, bounded by
+    in their order, and what the policy declines is a suffix in token order
+    (so a stored block's prefix is stored with it; a hybrid model's offer
+    lists its KV groups one after the other, and a suffix of that list would
+    drop whole groups, whose blocks every hit needs); a key declined again by
+    the same request is not counted again (the request's ``skipped`` set, bounded by
     its offers). Memory: the tracker's, at most ``max_tracker_size`` keys.
     """
 
@@ -56,15 +59,28 @@ class StoreGate:
             if declined:
                 self._count(declined, ctx)
         if candidates and self.policy_admission and self._policy.wants_admission:
-            n = self._policy.admit(candidates)
-            if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= len(candidates):
-                raise ProtocolError(
-                    f"{type(self._policy).__name__}.admit returned {n!r}, not an int in "
-                    f"0..{len(candidates)}")
-            if n < len(candidates):
-                self._count(candidates[n:], ctx)
-                candidates = candidates[:n]
+            ranked = candidates
+            n = self._admit(ranked)
+            if n < len(ranked) and _several_groups(ranked):
+                ranked = _token_order(ranked, ctx.positions)
+                n = self._admit(ranked)
+            if n < len(ranked):
+                self._count(ranked[n:], ctx)
+                if ranked is candidates:
+                    candidates = candidates[:n]
+                else:  # in the offer's order: vLLM pairs it with the granted slots
+                    kept = set(ranked[:n])
+                    candidates = [k for k in candidates if k in kept]
         return candidates
+
+    def _admit(self, keys: list[bytes]) -> int:
+        """The policy's ``admit(keys)``, checked."""
+        n = self._policy.admit(keys)
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= len(keys):
+            raise ProtocolError(
+                f"{type(self._policy).__name__}.admit returned {n!r}, not an int in "
+                f"0..{len(keys)}")
+        return n
 
     def _count(self, declined: list[bytes], ctx: RequestContext) -> None:
         """Add the keys ``ctx`` has not had declined before to ``skipped``."""
@@ -77,3 +93,16 @@ class StoreGate:
         """Forget the offer counts (``skipped`` is a counter and stays)."""
         if self._tracker is not None:
             self._tracker.clear()
+
+
+def _several_groups(keys: list[bytes]) -> bool:
+    """Whether ``keys`` belong to more than one KV group (a hybrid model's offer)."""
+    first = keys[0][-GROUP_BYTES:]
+    return any(k[-GROUP_BYTES:] != first for k in keys)
+
+
+def _token_order(keys: list[bytes], positions: dict[bytes, int]) -> list[bytes]:
+    """``keys`` by end-token position (vLLM offers a hybrid model's blocks
+    group by group), keys without a position last; the sort is stable, so
+    the groups of one position keep the offer's order."""
+    return sorted(keys, key=lambda k: (k not in positions, positions.get(k, 0)))

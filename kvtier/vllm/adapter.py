@@ -188,6 +188,17 @@ class KVTierOffloadingManager(OffloadingManager):
         if self.cascade is not None:
             self.cascade.on_schedule_end()
 
+    def has_pending_work(self) -> bool:
+        """Whether the cascade has I/O to submit or to apply (a write, a
+        write-on-evict copy, a promotion or a probe batched, queued or
+        running). vLLM's engine keeps stepping while this holds, so the
+        cascade's ``on_schedule_end`` runs after the last request too: without
+        it, an idle server never submitted the last step's write-on-evict
+        copies (a shutdown then dropped them) and kept finished writes' pins.
+        A tier call that hangs keeps the engine stepping, idle, until it
+        returns, as vLLM's own tiering manager does for its transfers."""
+        return self.cascade is not None and self.cascade.busy()
+
     def reset_cache(self) -> None:
         # vLLM drops the completions of jobs from before the reset ("stale
         # jobs") and re-offers running requests' blocks from their start

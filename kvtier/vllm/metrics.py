@@ -172,10 +172,13 @@ def _vllm_cpu_stats(out: Any, stats: dict[str, int], num_blocks: int,
 def _count(out: Any, reported: dict[str, int], name: str, total: int, tier: str = "",
            metric: str | None = None) -> None:
     """Report the increase of counter ``name`` (of ``tier``) since the last call,
-    as ``metric`` (default: kvtier's name for it)."""
+    as ``metric`` (default: kvtier's name for it). A total below the last one
+    restarted from 0 (the adaptive policy's ``switches`` does at a cache
+    reset): all of it is new, as Prometheus reads a counter reset."""
     metric = metric or METRIC_PREFIX + name
     slot = f"{metric}|{tier}"
-    delta = total - reported.get(slot, 0)
+    last = reported.get(slot, 0)
+    delta = total - last if total >= last else total
     reported[slot] = total
     if delta > 0:
         labels = (tier,) if tier else ()
