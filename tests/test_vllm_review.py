@@ -198,7 +198,7 @@ def test_policy_admission_keeps_every_kv_group_of_an_admitted_block() -> None:
 
 # ------------------------------------------------------ spec geometry
 def _config(extra: dict[str, Any], *, rank: int = 0, world: int = 1,
-            blocks_per_chunk: int = 1, engine_id: str = "review") -> Any:
+            blocks_per_chunk: int = 1, engine_id: str = "review", pp: int = 1) -> Any:
     from vllm.v1.kv_offload.config import (
         OffloadingCacheConfig,
         OffloadingConfig,
@@ -212,7 +212,7 @@ def _config(extra: dict[str, Any], *, rank: int = 0, world: int = 1,
         enable_kv_cache_events=False, extra_config=extra, engine_id=engine_id,
         model=OffloadingModelConfig("m", "bfloat16"),
         cache=OffloadingCacheConfig(16, blocks_per_chunk),
-        parallel=OffloadingParallelConfig(rank, world, world, 1, 1, 1, 0, 1, None, False))
+        parallel=OffloadingParallelConfig(rank, world, world // pp, pp, 1, 1, 0, 1, None, False))
 
 
 def test_offloaded_blocks_larger_than_an_engine_block_are_refused_by_name() -> None:
@@ -261,3 +261,19 @@ def test_tensor_parallel_ranks_get_their_own_regions_of_one_geometry() -> None:
         for w in workers:
             w.shutdown()
     assert not any(Path(r.path).exists() for r in regions)
+
+
+@pytest.mark.parametrize("role", ["scheduler", "worker"])
+def test_pipeline_parallel_engines_are_refused_at_start(role: str) -> None:
+    """Fault: with pipeline parallelism each stage holds other layers, so each
+    process's worker_kv_bytes_per_block differs, and each sized its slots from
+    its own: on uneven stages (5 layers over 4 stages) a worker's region had
+    fewer slots than the scheduler (rank 0's count) handed out, and a store
+    past its end failed, which vLLM asserts on. Only disk/Redis tiers refused
+    PP; the CPU tier alone started. Now every role refuses it by name."""
+    from kvtier.vllm import ConfigError
+    from kvtier.vllm.spec import KVTierSpec
+
+    rank = 0 if role == "scheduler" else 2
+    with pytest.raises(ConfigError, match=r"not pipeline-parallel ones \(pp_size=4\)"):
+        KVTierSpec(_config({"cpu_bytes_to_use": 64 * SLOT}, rank=rank, world=4, pp=4))

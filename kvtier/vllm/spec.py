@@ -102,6 +102,15 @@ class KVTierSpec(OffloadingSpec):
                 f"{self.blocks_per_chunk} (from 'block_size'/'blocks_per_chunk') is not "
                 "supported: leave both unset"
             )
+        if config.parallel.pp_size != 1:
+            # Each process sizes its slots from its own stage's bytes per block,
+            # and the scheduler from rank 0's: on uneven stages a worker's
+            # region is smaller than the slot numbers the scheduler hands out.
+            raise ConfigError(
+                f"kvtier supports tensor-parallel engines, not pipeline-parallel ones "
+                f"(pp_size={config.parallel.pp_size}): the stages' blocks differ in size, "
+                "and one slot count serves every rank"
+            )
         self.slot_bytes = config.worker_kv_bytes_per_block
         self.num_slots = self._count_slots(config)
         self._vllm_config = find_vllm_config()  # the engine's: model config and weights
@@ -181,11 +190,6 @@ class KVTierSpec(OffloadingSpec):
         s = self.settings
         if s.disk_path is None and s.redis_url is None:
             return None
-        if self.config.parallel.pp_size != 1:
-            raise ConfigError(
-                "disk_path/redis_url support tensor parallel engines, not pipeline parallel "
-                f"ones (pp_size={self.config.parallel.pp_size}): ranks' blocks differ in size"
-            )
         for reason in (unshared_keys_reason(self._vllm_config), lora_reason(self._vllm_config)):
             if reason is not None:
                 logger.warning("kvtier: %s", reason)
