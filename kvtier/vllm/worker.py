@@ -45,8 +45,9 @@ class VllmSlotWorker(OffloadingWorker):
     Owns the TransferWorker and, when ``own_region`` is set, the slot region
     (closed on ``shutdown``). One offloaded block is one engine block (vLLM
     ``blocks_per_chunk == 1``); the CPU-side spec's ``block_ids`` are slot ids.
-    ``submit_*`` always return True: failures surface as ``success=False`` in
-    ``get_finished`` (which vLLM 0.32's connector turns into an assertion).
+    ``submit_*`` return True: a failed copy surfaces as ``success=False`` in
+    ``get_finished`` (which vLLM 0.32's connector turns into an assertion). A
+    CPU-side spec that is not a block-ids spec is a caller's error: ``TypeError``.
     """
 
     def __init__(
