@@ -6,6 +6,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Literal
 
+from kvtier.argtypes import require_positive_int
+
 EventKind = Literal["stored", "removed"]
 
 
@@ -28,8 +30,7 @@ class EventLog:
     __slots__ = ("enabled", "dropped", "_events")
 
     def __init__(self, enabled: bool, max_events: int = 100_000) -> None:
-        if max_events < 1:
-            raise ValueError(f"max_events must be >= 1, got {max_events}")
+        require_positive_int("max_events", max_events)
         self.enabled = enabled
         self.dropped = 0
         self._events: deque[Event] = deque(maxlen=max_events)

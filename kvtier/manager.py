@@ -301,6 +301,7 @@ class OffloadManager:
         of this offer, pinned, leased and write-pending blocks are never
         evicted). New keys pass admission first; ready resident keys are
         reuses. Granted keys are WRITING until ``complete_store``.
+        ``ProtocolError`` when the policy's ``evict`` breaks its contract.
         """
         self._sync(ctx)
         keys = check_keys(keys)
@@ -357,8 +358,7 @@ class OffloadManager:
             victims = self.policy.evict(need, protected)
         if victims is None:
             return None
-        slot = self._slot
-        freed = [slot.pop(k) for k in victims]
+        freed = self._take_victims(victims, need, protected)
         try:
             if self._evict_listener is not None:
                 self._evict_listener(victims, freed)
@@ -368,6 +368,31 @@ class OffloadManager:
             self._history.record(victims)
             self._events.emit(victims, "removed")
         return victims
+
+    def _take_victims(self, victims: list[bytes], need: int, protected: set[bytes]) -> list[int]:
+        """Drop ``victims`` from the block table; return their slots.
+
+        ``ProtocolError`` (the table unchanged) unless they are ``need``
+        distinct resident keys, none held or protected: a policy (custom ones
+        are pluggable) that broke its contract would otherwise free the slot of
+        a block being written or read and hand it to another block. Linear in
+        ``need``, at C speed.
+        """
+        slot = self._slot
+        if (len(victims) == need and self._holds.blocked.isdisjoint(victims)
+                and protected.isdisjoint(victims)):
+            before = len(slot)
+            freed = [slot.pop(k, -1) for k in victims]
+            if len(slot) == before - need:  # each one resident, and once
+                return freed
+            for key, at in zip(victims, freed, strict=True):  # undo
+                if at != -1:
+                    slot[key] = at
+        raise ProtocolError(
+            f"{type(self.policy).__name__}.evict({need}) broke the EvictionPolicy contract: "
+            f"it returned {len(victims)} keys, which must be {need} distinct resident keys, "
+            "none write-pending, pinned, leased or in the current offer; the manager "
+            "freed no slot")
 
     def _allocate(self, keys: list[bytes], ctx: RequestContext) -> list[int]:
         ahead = self._running_blocks(ctx) if ctx.inserted and self._wants_running_order else None

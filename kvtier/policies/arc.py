@@ -20,7 +20,8 @@ class ARCPolicy(EvictionPolicy):
     ordered dicts, plus ``target`` (the desired size of T1). Invariants: T1
     and T2 are disjoint and hold exactly the resident blocks; ``len(B1) +
     len(T1) <= capacity``, ``len(B2) <= capacity``; ``0 <= target <=
-    capacity``; so at most ``capacity`` ghosts, each keeping its key alive.
+    capacity``; so at most ``2 * capacity`` ghosts (``capacity - len(T1)``
+    in B1, ``capacity`` in B2), each keeping its key alive.
 
     New blocks enter T1. A request that reuses a ready block moves it to T2
     once (its access is applied once, at finish). A store miss found in a
@@ -47,7 +48,7 @@ class ARCPolicy(EvictionPolicy):
         return len(self._b1), len(self._b2)
 
     def sizes(self) -> dict[str, int]:
-        """Entries of T1, T2, B1 and B2 (B1 + B2 <= capacity once full)."""
+        """Entries of T1, T2, B1 and B2 (B1 + T1 <= capacity, B2 <= capacity)."""
         return {"t1": len(self._t1), "t2": len(self._t2),
                 "b1": len(self._b1), "b2": len(self._b2)}
 

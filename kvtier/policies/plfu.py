@@ -352,17 +352,23 @@ class PLFUPolicy(EvictionPolicy):
     def _age(self) -> None:
         """Halve every count, dropping zeros, until the history is half its limit.
 
-        Resident keys keep a count of at least 1, so their next use still
-        counts as a second one (``on_access`` relies on it).
+        Resident keys that a request used keep a count of at least 1, so
+        their next use still counts as a second one (``on_access`` relies on
+        it). A fresh key (stored by a request still running, so that no
+        request has used it yet) keeps a count only if it had one: giving it
+        one would make its own request's use count as a second, and move a
+        block one request used into the main segment.
         """
-        counts, size = self._counts, self._history_size()
+        before = counts = self._counts
+        size = self._history_size()
         while size > self.history_limit // 2:
             # the implied counts of 1 drop out like any other count of 1
             counts = {k: c >> 1 for k, c in counts.items() if c > 1}
             size = len(counts)
         keep = counts.setdefault
         for key in self._fresh:  # other window keys keep their implied 1
-            keep(key, 1)
+            if key in before:
+                keep(key, 1)
         for key in self._meta:
             keep(key, 1)
         self._counts = counts
