@@ -20,7 +20,9 @@
                      [--limit-requests M] [--json]  (kvtier.replay.foresight)
 
 Errors in the input (unknown policy, missing or malformed trace) are reported
-as ``kvtier: error: ...`` with exit status 2, like argparse's own.
+as ``kvtier: error: ...`` with exit status 2, like argparse's own. Ctrl-C
+exits with 130; a closed stdout (``kvtier replay | head -1``) ends the command
+quietly with 141, as SIGPIPE would.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from kvtier.argtypes import (
     non_negative_int,
     positive_int,
 )
+from kvtier.atomic_files import atomic_path
 from kvtier.demo import chat as demo_chat
 from kvtier.errors import PROG, CommandError, ProtocolError
 from kvtier.policies import policy_class
@@ -56,6 +59,11 @@ if TYPE_CHECKING:
 
 EXIT_USAGE = 2
 """Exit status for bad input, the same as argparse's."""
+EXIT_INTERRUPTED = 130
+"""Exit status after Ctrl-C (128 + SIGINT), as a shell reports it."""
+EXIT_BROKEN_PIPE = 141
+"""Exit status when the reader of stdout went away (``| head``): 128 + SIGPIPE,
+as a shell reports a program the signal stopped, without a traceback."""
 
 
 # -- argument types ------------------------------------------------------------
@@ -209,12 +217,26 @@ def _add_generate(commands: Any) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    """Write the workload; report where and how many requests on stderr."""
+    """Write the workload; report where and how many requests on stderr.
+
+    A file is written whole or not at all (a temp file renamed over it): an
+    interrupted run (Ctrl-C, SIGTERM) leaves the old file or none, never the
+    first lines of a trace, which would replay as a shorter one."""
+    from kvtier.server_process import sigterm_as_exit
+
+    out: Path = args.output
+    if out.is_dir():
+        raise CommandError(f"cannot write -o {out}: it is a directory")
+    requests = generate(args.kind, args.seed, args.requests)
     try:
-        n = write_trace(generate(args.kind, args.seed, args.requests), args.output)
+        if out.exists() and not out.is_file():
+            n = write_trace(requests, out)  # a device or pipe (/dev/stdout): no rename
+        else:
+            with sigterm_as_exit(), atomic_path(out) as tmp:
+                n = write_trace(requests, tmp)
     except OSError as exc:
-        raise CommandError(f"cannot write {args.output}: {exc.strerror or exc}") from None
-    print(f"{PROG}: wrote {n} {args.kind} requests to {args.output}", file=sys.stderr)
+        raise CommandError(f"cannot write -o {out}: {exc.strerror or exc}") from None
+    print(f"{PROG}: wrote {n} {args.kind} requests to {out}", file=sys.stderr)
     return 0
 
 
@@ -381,9 +403,32 @@ def _formatter(args: argparse.Namespace, path: Path,
     return Table(names, capacities, args.store_threshold, offered)
 
 
+MANAGER_BYTES_PER_SLOT = 40
+"""Memory a manager takes per CPU slot before it holds a block (its free-slot
+list, measured with tracemalloc): the least a ``--capacity`` costs."""
+ENGINE_CACHE_BYTES_PER_BLOCK = 139
+"""Memory the model of vLLM's prefix cache takes per ``--gpu-blocks`` block (measured)."""
+
+
+def _check_memory(args: argparse.Namespace) -> None:
+    """``CommandError`` naming the flag when the largest ``--capacity`` or
+    ``--gpu-blocks`` asks for more memory than this process may use, found
+    before the run."""
+    from kvtier.host_memory import check_fits
+
+    try:
+        check_fits("--capacity", max(args.capacity), MANAGER_BYTES_PER_SLOT, "CPU slots")
+        if args.gpu_blocks is not None:
+            check_fits("--gpu-blocks", args.gpu_blocks, ENGINE_CACHE_BYTES_PER_BLOCK,
+                       "engine cache blocks")
+    except ValueError as exc:
+        raise CommandError(str(exc)) from None
+
+
 def cmd_replay(args: argparse.Namespace) -> int:
     """Run every policy x capacity x threshold over the trace and print the results."""
     check_policies(args.policy)
+    _check_memory(args)
     _check_engine_options(args)
     _check_plot(args)
     if args.disk_blocks is None:
@@ -482,6 +527,8 @@ def _replay_tiered_grid(args: argparse.Namespace, path: Path, keys: list[list[by
                 raise
             except ValueError as exc:
                 raise CommandError(str(exc)) from None
+            except MemoryError as exc:  # the CPU slots' region: capacity x 4 KiB of temp space
+                raise CommandError(f"--capacity {capacity}: {exc or 'out of memory'}") from None
             if args.json:
                 progress.write(json.dumps({**r.to_dict(), "trace": str(path)}))
             else:
@@ -644,5 +691,32 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
-        return 130
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        if not _stdout_reader_gone():
+            raise  # a socket's or a child's pipe: not the reader of our output
+        _silence_stdout()
+        return EXIT_BROKEN_PIPE
     return status
+
+
+def _stdout_reader_gone() -> bool:
+    """Whether stdout is a pipe whose reading end was closed (``kvtier ... | head``)."""
+    import select
+
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), 0)  # POLLERR is reported unasked
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (OSError, ValueError):  # no stdout descriptor
+        return False
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null, so that the interpreter's final flush of the
+    lines still buffered for the closed pipe raises nothing more."""
+    import os
+
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)

@@ -97,3 +97,15 @@ def free_bytes(directory: str | os.PathLike[str]) -> int:
     """Bytes free for this user in ``directory``'s file system."""
     stats = os.statvfs(directory)
     return stats.f_bavail * stats.f_frsize
+
+
+def check_fits(flag: str, count: int, bytes_each: int, what: str) -> None:
+    """``ValueError`` naming ``flag`` when ``count`` items of at least
+    ``bytes_each`` bytes take more than this process may use (``usable_bytes``):
+    a command refuses such a size before it starts (a number past 2**63
+    would end in an ``OverflowError``, a large one in the OOM killer)."""
+    limit = usable_bytes()
+    if count * bytes_each > limit:
+        raise ValueError(f"{flag} {count}: {count:,} {what} take at least "
+                         f"{count * bytes_each / 2**30:,.1f} GiB, more than the "
+                         f"{limit / 2**30:,.1f} GiB this process may use")

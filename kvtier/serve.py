@@ -162,13 +162,36 @@ def extra_config(args: argparse.Namespace) -> dict[str, Any]:
             raise ServeError(f"{key} given twice, as {flag} and as --kvtier {key}=...: "
                              "give it once")
         extra[key] = value
+    given_cpu_bytes = "cpu_bytes_to_use" in extra
     extra.setdefault("cpu_bytes_to_use", default_cpu_bytes())
     try:
         settings = KVTierSettings.from_extra_config(extra)
     except ConfigError as exc:
         raise ServeError(f"kvtier configuration: {exc}") from None
+    if given_cpu_bytes:  # the default is sized to fit already
+        flag = "--cpu-bytes" if args.cpu_bytes is not None else "cpu_bytes_to_use"
+        check_cpu_tier_room(settings.cpu_bytes_to_use, flag)
     check_tier_places(settings.disk_path, settings.redis_url)
     return extra
+
+
+def check_cpu_tier_room(cpu_bytes: int, flag: str = "--cpu-bytes") -> None:
+    """``ServeError`` when the CPU tier's slot region cannot fit in the
+    shared-memory file system it lives in: the engine would refuse it only
+    once it has started and loaded its weights (``SlotRegion.create``), and a
+    container's /dev/shm is often small."""
+    from kvtier.host_memory import free_bytes
+    from kvtier.slots.region import default_shm_dir
+
+    shm = default_shm_dir()
+    try:
+        room = free_bytes(shm)
+    except OSError:
+        return  # the engine will say
+    if cpu_bytes > room:
+        raise ServeError(f"{flag} {cpu_bytes}: the CPU tier lives in {shm}, which has "
+                         f"{room} bytes ({room >> 20} MiB) free: give a smaller --cpu-bytes, "
+                         "or the container more shared memory (e.g. docker --shm-size)")
 
 
 def check_tier_places(disk_path: str | None, redis_url: str | None) -> None:

@@ -15,6 +15,7 @@ import ctypes
 import os
 import signal
 import subprocess
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -32,10 +33,14 @@ class ServerError(RuntimeError):
 @contextlib.contextmanager
 def sigterm_as_exit() -> Iterator[None]:
     """SIGTERM raises ``SystemExit`` meanwhile, so that ``finally`` blocks stop the
-    servers a benchmark started (Python's default would leave them running)."""
+    servers a benchmark started (Python's default would leave them running).
+    Off the main thread, where Python cannot set a handler, it changes nothing."""
     def leave(signum: int, frame: object) -> None:
         raise SystemExit(128 + signum)
 
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
     previous = signal.signal(signal.SIGTERM, leave)
     try:
         yield
@@ -194,21 +199,46 @@ class ServerProcess:
             return False
 
     def stop(self) -> int:
-        """SIGINT, wait, then kill what is left of the session; the exit status."""
+        """SIGINT, wait, then kill what is left of the session; the exit status.
+
+        Interrupted while it waits (a second Ctrl-C, SIGTERM under
+        ``sigterm_as_exit``), it kills the session at once before the
+        interruption goes on: the server is in a session of its own, which
+        no signal of the terminal reaches, and it would outlive this process."""
         proc = self.proc
         if proc is None:
             return 0
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(self.stop_timeout_s)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        self.returncode = proc.returncode
-        self.leftovers = self._reap_session(proc.pid)
-        self.proc = None
+        try:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
+                try:
+                    proc.wait(self.stop_timeout_s)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+            self.returncode = proc.returncode
+            self.leftovers = self._reap_session(proc.pid)
+        except BaseException:
+            self.leftovers = self._kill_session(proc)
+            raise
+        finally:
+            self.proc = None
         return self.returncode
+
+    def _kill_session(self, proc: subprocess.Popen[bytes]) -> list[int]:
+        """Kill the server and every process of its session now (reapers a
+        moment after the rest, as ``_reap_session`` does); the pids killed."""
+        from kvtier.slots.reaper import is_reaper
+
+        proc.kill()
+        left = session_pids(proc.pid)
+        reapers = [pid for pid in left if is_reaper(pid)]
+        _kill([pid for pid in left if pid not in reapers])
+        proc.wait()
+        time.sleep(0.2)  # a reaper removes its region once its worker is gone
+        _kill(reapers)
+        self.returncode = proc.returncode
+        return left
 
     def _reap_session(self, session: int) -> list[int]:
         """Wait briefly for the session to empty; kill and return what remains.

@@ -207,6 +207,20 @@ class _Engine:
 
     # -- the loop -------------------------------------------------------------------
 
+    def _next_busy_step(self, in_flight: list[_Request]) -> int:
+        """The first step from now at which a request in flight can act (no new
+        one may start): the steps before it would change nothing, and the loop
+        skips them, so a large ``max_delay`` costs no idle iterations (with
+        ``max_delay`` 10**20 it would never end). ``self.step`` when one can act now."""
+        now = self.step
+        nexts = [self._due[0][0]] if self._due else []
+        for req in in_flight:
+            if req.state == PREEMPTED:
+                nexts.append(req.resume_at)
+            elif req.state != LOADING or not req.pending_loads:
+                return now  # it acts at every step (a store retry, a finish)
+        return max(now, min(nexts)) if nexts else now
+
     def run(self, progress: ProgressCallback | None, every: int) -> None:
         queue = deque(range(len(self.requests)))
         in_flight: list[_Request] = []
@@ -243,6 +257,8 @@ class _Engine:
                 progress(finished_since)
                 finished_since = 0
             self.step += 1
+            if not queue or len(in_flight) >= cfg.concurrency:
+                self.step = max(self.step, self._next_busy_step(in_flight))
         self.stats.steps = self.step
         if progress is not None and finished_since:
             progress(finished_since)

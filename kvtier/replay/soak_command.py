@@ -54,6 +54,8 @@ def add_soak_parser(commands: Any) -> None:
 
 def cmd_soak(args: argparse.Namespace) -> int:
     """Run the soak; print samples and the summary; 1 on a bound violation."""
+    from kvtier.cli import MANAGER_BYTES_PER_SLOT
+    from kvtier.host_memory import check_fits
     from kvtier.replay.soak import DEFAULT_REDIS_MAXMEMORY, Sample, SoakConfig, run_soak
     from kvtier.server_process import sigterm_as_exit
 
@@ -68,6 +70,7 @@ def cmd_soak(args: argparse.Namespace) -> int:
                         kinds=kinds, sample_every=every, seed=args.seed)
     try:
         config.check()
+        check_fits("--cpu-blocks", args.cpu_blocks, MANAGER_BYTES_PER_SLOT, "CPU slots")
     except ValueError as exc:
         raise CommandError(str(exc)) from None
     plot = _plot_path(args.plot)
@@ -89,6 +92,8 @@ def cmd_soak(args: argparse.Namespace) -> int:
             result = run_soak(config, on_sample=show, progress=progress.update)
     except FileNotFoundError as exc:  # no redis-server
         raise CommandError(f"{exc} (or run with --no-redis)") from None
+    except MemoryError as exc:  # the CPU slots' region: cpu_blocks x 4 KiB of temp space
+        raise CommandError(f"--cpu-blocks {args.cpu_blocks}: {exc or 'out of memory'}") from None
     finally:
         progress.close()
     summary = result.summary()
