@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import math
 from collections import OrderedDict
 from collections.abc import Container
 
+from kvtier.argtypes import is_positive_seconds
 from kvtier.request import RequestContext
 
 DEFAULT_LEASE_TIMEOUT_S = 60.0
@@ -45,8 +45,9 @@ class LeaseTable:
                     f"{name} must be an int >= 1 (with no lease budget no lookup "
                     f"could ever hit), got {value!r}"
                 )
-        if not isinstance(timeout_s, (int, float)) or not timeout_s > 0 or math.isnan(timeout_s):
-            raise ValueError(f"lease_timeout_s must be a number > 0, got {timeout_s!r}")
+        if not is_positive_seconds(timeout_s):  # a lease that never lapses holds its slot
+            raise ValueError(f"lease_timeout_s must be a finite number of seconds > 0, "
+                             f"got {timeout_s!r}")
         self.per_request = per_request
         self.total = total
         self.timeout_s = float(timeout_s)

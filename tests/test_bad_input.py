@@ -191,6 +191,8 @@ def test_num_blocks_must_be_positive_int(bad: Any) -> None:
         {"lease_timeout_s": 0},
         {"lease_timeout_s": -1.0},
         {"lease_timeout_s": float("nan")},
+        {"lease_timeout_s": float("inf")},  # a lease that never lapses
+        {"lease_timeout_s": True},
     ],
     ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()),
 )
