@@ -242,3 +242,18 @@ def test_a_cpu_tier_larger_than_shared_memory_is_refused_before_vllm() -> None:
     proc = _kvtier("serve", "MODEL", "--kvtier", f"cpu_bytes_to_use={too_big}",
                    "--print-command")
     _one_line_error(proc, "cpu_bytes_to_use")
+
+
+def test_a_setting_given_twice_as_kvtier_is_refused() -> None:
+    # Fault: `--kvtier disk_bytes=1G --kvtier disk_bytes=10G` silently kept the
+    # last one (a flag and --kvtier for the same key were already refused).
+    proc = _kvtier("serve", "MODEL", "--kvtier", "store_threshold=2",
+                   "--kvtier", "store_threshold=3", "--print-command")
+    assert proc.returncode == 2 and "store_threshold given twice" in proc.stderr, proc.stderr
+    assert proc.stdout == ""
+
+
+def test_a_negative_soak_disk_tier_names_the_flag() -> None:
+    # Fault: `soak --disk-blocks -5` was refused as "disk_blocks", not by its flag.
+    proc = _kvtier("soak", "--disk-blocks", "-5")
+    assert proc.returncode == 2 and "--disk-blocks" in proc.stderr, proc.stderr

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from kvtier.argtypes import positive_int
+from kvtier.argtypes import non_negative_int, positive_int
 from kvtier.errors import PROG, CommandError
 from kvtier.progress import make_progress
 from kvtier.replay.mix import DEFAULT_KINDS
@@ -31,7 +31,7 @@ def add_soak_parser(commands: Any) -> None:
                         "about an hour on a 2-core machine)")
     p.add_argument("--cpu-blocks", type=positive_int, default=4_000, metavar="N",
                    help="CPU slots (default 4000)")
-    p.add_argument("--disk-blocks", type=int, default=16_000, metavar="N",
+    p.add_argument("--disk-blocks", type=non_negative_int, default=16_000, metavar="N",
                    help="disk tier blocks, 0 for none (default 16000)")
     p.add_argument("--redis-maxmemory", type=positive_int, default=None, metavar="BYTES",
                    help="the local redis-server's maxmemory (default 64 MiB)")
