@@ -317,3 +317,13 @@ def test_the_contract_check_catches_a_policy_that_breaks_it() -> None:
 def test_every_policy_agrees_with_the_manager_under_leases_and_failures(name: str) -> None:
     mgr = OffloadManager(16, policy=name, max_leases_per_request=16, max_leased_blocks=16)
     drive_manager(mgr, random.Random(f"{name}-manager"), 400)
+
+
+def test_an_abstract_custom_policy_is_refused_when_named() -> None:
+    # Fault: an abstract class (the base itself, or one missing evict) passed
+    # policy_class, so the vLLM settings accepted it and the engine failed later
+    # at its first cache with a TypeError from the instantiation.
+    from kvtier.policies import policy_class
+
+    with pytest.raises(ValueError, match=r"is abstract: it does not implement .*evict"):
+        policy_class("kvtier.policies:EvictionPolicy")

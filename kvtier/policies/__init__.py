@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 
 from kvtier.policies.adaptive import AdaptivePolicy
 from kvtier.policies.arc import ARCPolicy
@@ -46,6 +47,9 @@ def policy_class(name: str) -> type[EvictionPolicy]:
         raise ValueError(
             f"{name!r} does not name a subclass of kvtier.policies.EvictionPolicy"
         )
+    if inspect.isabstract(cls):  # refused here, at start-up, not at the first cache
+        missing = ", ".join(sorted(getattr(cls, "__abstractmethods__", ())))
+        raise ValueError(f"{name!r} is abstract: it does not implement {missing}")
     return cls
 
 
