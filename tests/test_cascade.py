@@ -680,3 +680,26 @@ def test_a_tier_with_an_overdue_read_gets_no_new_promotions(
     finally:
         gate.opened.set()
         c.shutdown()
+
+
+class Unwell(DelegatingTier):
+    """A real tier that went away and whose stats() raises."""
+
+    @property
+    def available(self) -> bool:
+        return False
+
+    def stats(self) -> dict[str, int | float | str]:
+        raise OSError("stats: Input/output error")
+
+
+def test_a_tier_whose_stats_fail_still_reports_its_availability(
+        tmp_path: Path, region: SlotRegion) -> None:
+    # Fault: a tier whose stats() raised was left out of tier_stats(), so the
+    # vllm:kvtier_tier_available gauge kept its last value (1) while the tier
+    # was down.
+    c = TierCascade(OffloadManager(SLOTS), region, [Unwell(disk(tmp_path))])
+    try:
+        assert c.tier_stats()["disk"] == {"available": False}
+    finally:
+        c.shutdown()

@@ -542,6 +542,7 @@ class TierCascade:
                                   "write_ms": int(self._busy["write"].get(tier.name, 0.0) * 1000)}
             except Exception as exc:
                 self._warn.warning("kvtier cascade: %s stats failed: %s", tier.name, exc)
+                out[tier.name] = {"available": _is_available(tier)}  # the gauge stays current
         return out
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
@@ -561,6 +562,14 @@ class TierCascade:
                     tier.close()
                 except Exception as exc:
                     logger.warning("kvtier cascade: closing %s: %s", tier.name, exc)
+
+
+def _is_available(tier: Tier) -> bool:
+    """``tier.available``; False when asking raises."""
+    try:
+        return bool(tier.available)
+    except Exception:
+        return False
 
 
 def lower_tiers(
