@@ -643,3 +643,42 @@ def test_breaker_gives_up_on_a_lost_probe() -> None:
     assert b.allow()  # probe never reports
     clock.now += 1.0
     assert b.allow()  # another caller probes
+
+
+def test_a_probe_that_proves_nothing_lets_the_next_caller_probe_at_once() -> None:
+    # Fault: a probe that ended without a verdict (the pool's own
+    # max_connections limit, a caller's mistake) recorded neither success nor
+    # failure, so the breaker stayed half-open and refused every call for
+    # another open_s (up to max_reset_timeout_s) while the server was back.
+    clock = Clock()
+    b = CircuitBreaker(1, 8.0, clock=clock)
+    b.allow()
+    b.record_failure()
+    clock.now += 8.0
+    assert b.allow()  # the probe
+    b.record_no_verdict()
+    assert b.allow(), "the next caller must probe at once"
+    b.record_success()
+    assert b.state == "closed"
+    b.record_no_verdict()  # outside a probe: nothing changes
+    assert b.state == "closed" and b.allow()
+
+
+def test_redis_probe_hitting_the_connection_limit_does_not_delay_recovery() -> None:
+    from redis.exceptions import MaxConnectionsError
+
+    clock = Clock()
+    tier = make(f"redis://127.0.0.1:{free_port()}")  # nothing listens: calls fail
+    tier._breaker = CircuitBreaker(1, 8.0, clock=clock)
+    try:
+        assert tier.contains([b"k"]) == [False]
+        assert tier._breaker.state == "open"
+        clock.now += 8.0
+
+        def limited(client: object) -> None:
+            raise MaxConnectionsError("Too many connections")
+
+        tier._run(limited)  # the probe, ended by the client's own limit
+        assert tier._breaker.allow(), "recovery waited another open_s"
+    finally:
+        tier.close()

@@ -13,8 +13,11 @@ States:
     probe's success closes the breaker (and resets ``open_s``), its failure
     opens it again. A probe that never reports is given up after ``open_s``.
 
-Every call let through must be followed by ``record_success()`` or
-``record_failure()``. Memory and work are O(1).
+Every call let through must be followed by ``record_success()``,
+``record_failure()``, or ``record_no_verdict()`` when it ended without
+telling whether the server works (a client-side limit, a caller's mistake):
+a probe without a verdict lets the next caller probe at once. Memory and
+work are O(1).
 """
 
 from __future__ import annotations
@@ -119,6 +122,15 @@ class CircuitBreaker:
                 self.opens += 1
                 notify = "open"
         self._notify(notify)
+
+    def record_no_verdict(self) -> None:
+        """The call let through ended without saying whether the server works;
+        if it was the probe, the next ``allow()`` probes again (not only after
+        ``open_s``: recovery is not delayed by a probe that proved nothing)."""
+        with self._lock:
+            if self._state == "half_open":
+                self._state = "open"
+                self._since = self._clock() - self._open_s
 
     def _notify(self, state: BreakerState | None) -> None:
         if state is not None and self._on_change is not None:

@@ -311,6 +311,7 @@ class RedisTier(Tier):
         except MaxConnectionsError:
             # this client's own limit (a max_connections option), not the server:
             # a miss, and no failure of the server for the breaker to count
+            self._breaker.record_no_verdict()
             self._counters.add("rejected")
             self._warn.warning("kvtier redis tier %s: every pooled connection is in use "
                                "(max_connections); calls beyond it are misses", self.safe_url)
@@ -327,6 +328,9 @@ class RedisTier(Tier):
             self._counters.add("errors")
             self._warn.warning("kvtier redis tier %s: %s", self.safe_url, self._describe(exc))
             return FAILED
+        except BaseException:  # a caller's mistake (a bad key...): nothing about the server
+            self._breaker.record_no_verdict()
+            raise
         self._breaker.record_success()
         return result
 
