@@ -460,20 +460,27 @@ def test_a_fifo_at_a_block_path_is_a_miss_and_stays(tmp_path: Path) -> None:
     assert t.get_into([block_key(1)], [bytearray(SIZE)]) == [SIZE]
 
 
+def hang_stats_under(monkeypatch: pytest.MonkeyPatch, root: Path) -> threading.Event:
+    """Make every ``os.stat`` under ``root`` block until the returned event is
+    set (a lost network mount: a fault no real file system gives on demand)."""
+    release, real_stat = threading.Event(), os.stat
+
+    def stat_that_hangs(path: object, *args: object, **kwargs: object) -> os.stat_result:
+        if str(path).startswith(str(root)):
+            release.wait(30)
+        return real_stat(path, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "stat", stat_that_hangs)
+    return release
+
+
 def test_a_hung_lookup_costs_its_timeout_once(tmp_path: Path,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     # A lost network mount: every stat under the directory blocks until released
     # (a fault no real file system gives on demand).
     a, b = make(tmp_path), make(tmp_path, lookups="thread", lookup_timeout_s=0.2)
     a.put([(block_key(1), payload(1))])
-    release, real_stat = threading.Event(), os.stat
-
-    def stat_that_hangs(path: object, *args: object, **kwargs: object) -> os.stat_result:
-        if str(path).startswith(str(tmp_path)):
-            release.wait(30)
-        return real_stat(path, *args, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(os, "stat", stat_that_hangs)
+    release = hang_stats_under(monkeypatch, tmp_path)
     answers: list[list[bool]] = []
 
     def scheduler() -> None:

@@ -42,6 +42,7 @@ import errno
 import itertools
 import logging
 import os
+import secrets
 import stat
 import threading
 import time
@@ -222,7 +223,9 @@ class DiskTier(Tier):
         self._scanning = False
         self._scan_added: dict[bytes, None] = {}
         self._scan_removed: set[bytes] = set()
-        self._tmp_serial = itertools.count()
+        # Temp names carry the pid and this serial; engines in other pid
+        # namespaces may have this pid, so each process starts at a random serial.
+        self._tmp_serial = itertools.count(secrets.randbits(40))
         self._closed = False
         self._counters = Counters("duplicates", "no_space", "discovered", "tmp_removed")
         self._events = TierEventLog(self.name, enable_events, max_events)
@@ -333,7 +336,9 @@ class DiskTier(Tier):
 
     def _evict_locked(self, need: int, free_deficit: int = 0) -> tuple[list[bytes], int]:
         """Pop and unlink LRU blocks until ``need`` more bytes fit and ``free_deficit``
-        bytes are freed; returns the victims (to report outside the lock) and bytes freed."""
+        bytes are freed; returns the victims (to report outside the lock) and bytes
+        freed: those of the files it removed, not of entries whose file was gone
+        already (another engine removed it), which free no space."""
         victims: list[bytes] = []
         freed = 0
         index = self._index
@@ -343,11 +348,11 @@ class DiskTier(Tier):
         ):
             key, acct = index.popitem(last=False)
             self._indexed_bytes -= acct
-            freed += acct
             victims.append(key)
             # Unlinked under the lock: done later, it could remove the file of a
             # newer store of the same key that another thread made meanwhile.
-            unlink_quietly(self.dir.file(key))
+            if unlink_quietly(self.dir.file(key)):
+                freed += acct
             if self._scanning:
                 self._scan_removed.add(key)
                 self._scan_added.pop(key, None)
@@ -631,10 +636,12 @@ class DiskTier(Tier):
         tmp = self.dir.temp_file(key, next(self._tmp_serial))
         try:
             try:
-                fd = os.open(tmp, O_WRITE, 0o600)
-            except FileNotFoundError:  # the directory was removed under us: recreate it
-                self.dir.remake()
-                fd = os.open(tmp, O_WRITE, 0o600)
+                fd = self._create_temp(tmp)
+            except FileExistsError:
+                # Another writer's (an engine in another pid namespace with
+                # this pid): its write in progress, not ours to remove.
+                tmp = ""
+                raise
             try:
                 hold_lock(fd)  # until the rename: scans elsewhere leave the temp file alone
                 write_full(fd, [memoryview(header), view])
@@ -644,7 +651,8 @@ class DiskTier(Tier):
             finally:
                 os.close(fd)
         except OSError as exc:
-            unlink_quietly(tmp)
+            if tmp:
+                unlink_quietly(tmp)
             self._counters.add("dropped_stores")
             if exc.errno in _NO_SPACE:
                 self._counters.add("no_space")
@@ -654,6 +662,15 @@ class DiskTier(Tier):
                 self._warn.warning("kvtier disk tier: cannot write %s: %s", path, exc)
             return False
         return True
+
+    def _create_temp(self, tmp: str) -> int:
+        """Open the new temp file ``tmp`` (``O_EXCL``); directories removed
+        under the tier are made again."""
+        try:
+            return os.open(tmp, O_WRITE, 0o600)
+        except FileNotFoundError:
+            self.dir.remake()
+            return os.open(tmp, O_WRITE, 0o600)
 
     def delete(self, keys: Sequence[bytes]) -> int:
         self._check_open()

@@ -49,13 +49,18 @@ O_WRITE = (
 )
 """Flags of a new temp file: never an existing file, never through a symlink."""
 
+FUTURE_SLACK_S = 1.0
+"""A block file's time may be this far ahead of the scan's clock before it
+counts as written in the future (a clock set back)."""
 Scanned = tuple[float, bytes, int]
 """``(mtime, key, accounted bytes)`` of one block file."""
 
 
 def allocated(size: int) -> int:
-    """Bytes a file of ``size`` bytes is accounted (rounded up to ``ALLOC_UNIT``)."""
-    return -(-size // ALLOC_UNIT) * ALLOC_UNIT
+    """Bytes a file of ``size`` bytes is accounted: rounded up to ``ALLOC_UNIT``,
+    and at least one unit, so that the index holds at most
+    ``capacity // ALLOC_UNIT`` entries also when a crash left empty files."""
+    return max(1, -(-size // ALLOC_UNIT)) * ALLOC_UNIT
 
 
 def fan_out_index(key: bytes) -> int:
@@ -119,9 +124,10 @@ def _make_private_dirs(path: Path) -> None:
 
 def check_tier_path(path: str | os.PathLike[str]) -> None:
     """``TierConfigError`` when a disk tier could not make its directory at
-    ``path``: it exists and is no writable directory, or the nearest existing
-    directory above it is not writable. Changes nothing (a check before a
-    server starts)."""
+    ``path``: it exists and is no writable directory, the nearest existing
+    directory above it is not writable, or a directory on the way belongs to
+    another user (``check_owners``). Changes nothing (a check before a server
+    starts)."""
     target = Path(path)
     probe = target
     while not probe.exists() and probe != probe.parent:
@@ -131,6 +137,40 @@ def check_tier_path(path: str | os.PathLike[str]) -> None:
         raise TierConfigError(f"disk_path {target} {where} and is not a directory")
     if not os.access(probe, os.W_OK | os.X_OK):
         raise TierConfigError(f"disk_path {target}: {probe} is not writable by this user")
+    check_owners(target)
+
+
+def check_owners(path: str | os.PathLike[str], _links: int = 0) -> None:
+    """``TierConfigError`` when ``path``, a directory above it, or a symlink
+    on the way (and the way to its target) belongs to a user other than this
+    process's or root; missing ones are skipped. That user could rename the
+    cache's own 0700 directories away and put a tree of its files in their
+    place, which this engine would serve: the checksum is no signature."""
+    allowed = {0, os.geteuid()}
+    absolute = Path(os.path.abspath(path))
+    for entry in (*reversed(absolute.parents), absolute):
+        try:
+            st = os.lstat(entry)
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            raise TierConfigError(f"disk_path {path}: cannot check {entry}: {exc}") from None
+        if st.st_uid not in allowed:
+            raise TierConfigError(
+                f"disk_path {path}: {entry} belongs to uid {st.st_uid}, neither this "
+                f"process's uid {os.geteuid()} nor root; that user could replace the "
+                f"cache's directories with its own files, so the disk tier refuses it "
+                f"(use a directory of this user's, under directories of this user or root)")
+        if stat.S_ISLNK(st.st_mode):
+            if _links >= _MAX_LINKS:
+                raise TierConfigError(f"disk_path {path}: too many symlinks")
+            # a relative target starts where the link is, symlinks above resolved
+            target = Path(os.path.realpath(entry.parent)) / os.readlink(entry)
+            check_owners(target, _links + 1)
+
+
+_MAX_LINKS = 40
+"""Symlinks followed to check a ``disk_path`` (Linux's own limit is 40)."""
 
 
 class TierDirectory:
@@ -156,6 +196,7 @@ class TierDirectory:
             if self.path.exists() and not self.path.is_dir():
                 raise TierConfigError(f"disk_path {self.path} exists and is not a directory")
             _make_private_dirs(self.path)
+            check_owners(self.path)  # after making it: one made meanwhile by another is seen
             for directory in (self.path / LAYOUT_DIR, self.root):
                 self._own(directory)
             for sub in self._subdirs:
@@ -248,7 +289,7 @@ class TierDirectory:
                 for entry in entries:
                     name = entry.name
                     if name.endswith(BLOCK_SUFFIX) and name[0] != ".":
-                        block = _block_entry(entry)
+                        block = _block_entry(entry, now)
                         if block is not None:
                             found.append(block)
                     elif is_temp_name(name) and _stale_entry(entry, now, me, tmp_max_age_s):
@@ -257,16 +298,25 @@ class TierDirectory:
         return found, removed
 
 
-def _block_entry(entry: os.DirEntry[str]) -> Scanned | None:
-    """A block file's scan row; None for a bad name or anything but a regular file."""
+def _block_entry(entry: os.DirEntry[str], now: float) -> Scanned | None:
+    """A block file's scan row; None for a bad name or anything but a regular file.
+    A modification time ahead of ``now`` (written before the clock was set
+    back) becomes ``now``, on disk too: else the scan's order, which is the
+    tier's LRU order, would keep such a block the most recent until the clock
+    caught up, and evict every block used since before it."""
     try:
         key = bytes.fromhex(entry.name[: -len(BLOCK_SUFFIX)])
         st = entry.stat(follow_symlinks=False)
     except (ValueError, OSError):
         return None
-    if key and stat.S_ISREG(st.st_mode):
-        return st.st_mtime, key, allocated(st.st_size)
-    return None
+    if not (key and stat.S_ISREG(st.st_mode)):
+        return None
+    mtime = st.st_mtime
+    if mtime > now + FUTURE_SLACK_S:
+        mtime = now
+        with contextlib.suppress(OSError):  # then the next scan tries again
+            os.utime(entry.path, (now, now), follow_symlinks=False)
+    return mtime, key, allocated(st.st_size)
 
 
 def _stale_entry(entry: os.DirEntry[str], now: float, me: int, max_age_s: float) -> bool:

@@ -117,11 +117,18 @@ class RankedTier(Tier):
     @staticmethod
     def _held_by_all(asks: list[Callable[[Sequence[bytes]], list[bool]]],
                      keys: Sequence[bytes]) -> list[bool]:
-        """Whether every rank holds each key (each rank asked in turn)."""
+        """Whether every rank holds each key: each rank is asked in turn, and
+        only for the keys all ranks before it hold. So a lookup that gives up
+        at a deadline (a disk tier's on a hung network file system) makes the
+        caller wait that deadline once, not once per rank."""
         held = [True] * len(keys)
+        todo = list(range(len(keys)))
         for ask in asks:
-            for i, h in enumerate(ask(keys)):
-                held[i] = held[i] and h
+            if not todo:
+                break
+            for i, h in zip(todo, ask([keys[i] for i in todo]), strict=True):
+                held[i] = bool(h)
+            todo = [i for i in todo if held[i]]
         return held
 
     def get_into(self, keys: Sequence[bytes], buffers: Sequence[Any]) -> list[int | None]:
