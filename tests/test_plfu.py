@@ -280,19 +280,3 @@ def test_new_blocks_set_operation_applies_what_the_loop_would(seed: int) -> None
         assert _request(fast, keys, room) == _request(loop, keys, room)
         assert _state(fast) == _state(loop)
         assert fast._fresh == loop._fresh and fast._counts == loop._counts
-
-
-def test_frequency_ties_go_to_the_lower_class_first() -> None:
-    # Fault: the first pick among the class queues' heads broke a tie of
-    # priority by the keys' bytes, not by class as documented; a block's count
-    # never exceeds its parent's, so on a tie the higher class may hold the
-    # head and the lower its tail, and the head could leave first, orphaning
-    # the tail. (Set up inside: a tie needs the aging base to rise between two
-    # uses, which takes thousands of requests to reach from outside.)
-    pol = PLFUPolicy(8)
-    head, tail = b"\x00head", b"\xfftail"  # the head's key sorts first
-    for key, base, cls in ((head, 5, 2), (tail, 6, 1)):  # priority 7 each
-        pol._meta[key] = base << 3 | cls
-        pol._classes[cls][key] = None
-        pol._recent[key] = None
-    assert pol._take_lfu(1, (), ()) == [tail]

@@ -457,9 +457,9 @@ class PLFUPolicy(EvictionPolicy):
             # the head of least (priority, key), then the runner-up's (priority,
             # class): loops over at most five heads, cheaper than min() calls
             best, least = -1, None
-            for c, (p, _) in heads.items():
-                if least is None or (p, c) < least:
-                    best, least = c, (p, c)
+            for c, head in heads.items():
+                if least is None or head < least:
+                    best, least = c, head
             key = heads.pop(best)[1]
             limit = (1 << 62, 0)  # above any priority: no runner-up
             for c, (p, _) in heads.items():
