@@ -437,10 +437,15 @@ class PLFUPolicy(EvictionPolicy):
 
     def _take_lfu(self, k: int, protected: Container[bytes],
                   taken: Container[bytes]) -> list[bytes]:
-        """The ``k`` evictable main keys of lowest priority, lower class first on ties.
+        """The ``k`` evictable main keys of lowest priority.
 
         Each class is in priority order already, so this merges the class queues:
-        it takes from the best class while it stays ahead of the runner-up.
+        it takes from the best class while it stays ahead of the runner-up
+        (lower class first on ties). Among the class heads, a tie of priority
+        goes to the lower key bytes, a hash: in effect a random pick. Lower
+        class first there too (tails before heads) was measured worse: on
+        generated chat (seed 1) behind a 500-block engine cache, 0.6332
+        against 0.6447 at 4,000 blocks (LRU 0.6480), the same elsewhere.
         """
         out: list[bytes] = []
         if k <= 0:
