@@ -257,3 +257,37 @@ def test_a_negative_soak_disk_tier_names_the_flag() -> None:
     # Fault: `soak --disk-blocks -5` was refused as "disk_blocks", not by its flag.
     proc = _kvtier("soak", "--disk-blocks", "-5")
     assert proc.returncode == 2 and "--disk-blocks" in proc.stderr, proc.stderr
+
+
+# -- exit statuses: a size past what the process may use is bad input --------------
+
+
+def test_foresight_refuses_gpu_blocks_past_memory_before_reading_the_trace(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from kvtier.cli import main
+
+    assert main(["foresight", "--gpu-blocks", str(10**11), "--limit-requests", "10",
+                 "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvtier: error: --gpu-blocks 100000000000:"), err
+
+
+def test_demo_refuses_cpu_bytes_past_shared_memory_before_starting_an_engine(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("vllm")
+    from kvtier.cli import main
+    from kvtier.demo import chat
+    from kvtier.host_memory import free_bytes
+    from kvtier.slots.region import default_shm_dir
+
+    def started(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the demo went on to build the model and start vLLM")
+
+    monkeypatch.setattr(chat, "_model", started)
+    monkeypatch.setattr(chat, "run_engine", started)
+    too_many = free_bytes(default_shm_dir()) + (1 << 30)
+    for extra in ([], ["--disk", "/nonexistent-kvtier-demo-dir"]):
+        assert main(["demo", "--cpu-bytes", str(too_many), *extra]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"kvtier: error: --cpu-bytes {too_many}: the CPU tier lives in")
+        assert err.count("\n") == 1

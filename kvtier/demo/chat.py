@@ -403,6 +403,7 @@ def run(args: argparse.Namespace) -> int:
     verified or kvtier served nothing (module doc)."""
     w = workload(args)
     w.check()
+    _check_cpu_bytes(args.cpu_bytes)
     if args.disk is not None:
         from kvtier.demo import tiered
 
@@ -425,6 +426,19 @@ def run(args: argparse.Namespace) -> int:
     summary = summarize(rows)
     _print_report(args, w, rows, summary, with_kv.stats, time.perf_counter() - started)
     return 0 if summary["outputs_verified"] else 1
+
+
+def _check_cpu_bytes(cpu_bytes: int) -> None:
+    """``DemoError`` when ``--cpu-bytes`` cannot fit in the shared-memory file
+    system the CPU tier's slot region lives in: found before the model is built
+    and vLLM started (the engine would fail only then, with a traceback), as
+    ``kvtier serve`` finds it."""
+    from kvtier.serve import ServeError, check_cpu_tier_room
+
+    try:
+        check_cpu_tier_room(cpu_bytes)
+    except ServeError as exc:
+        raise DemoError(str(exc)) from None
 
 
 def _model(model_dir: Path | None, say: Any) -> Path:
