@@ -152,7 +152,10 @@ def extra_config(args: argparse.Namespace) -> dict[str, Any]:
         key = key.strip()
         if not sep or not key:
             raise ServeError(f"--kvtier takes KEY=VALUE, got {option!r}")
-        if key in extra and key not in SPEC:  # not silently the last one
+        if key in SPEC:
+            raise ServeError(f"--kvtier {key}: kvtier serve always serves "
+                             f"{SPEC['spec_module_path']}.{SPEC['spec_name']}")
+        if key in extra:  # not silently the last one
             raise ServeError(f"{key} given twice as --kvtier {key}=...: give it once")
         extra[key] = _setting_value(key, value)
     for dest, key in FLAG_KEYS.items():

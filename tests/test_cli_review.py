@@ -291,3 +291,11 @@ def test_demo_refuses_cpu_bytes_past_shared_memory_before_starting_an_engine(
         err = capsys.readouterr().err
         assert err.startswith(f"kvtier: error: --cpu-bytes {too_many}: the CPU tier lives in")
         assert err.count("\n") == 1
+
+
+def test_kvtier_serve_cannot_be_pointed_at_another_spec() -> None:
+    # Fault: `--kvtier spec_name=X` silently replaced KVTierSpec in the
+    # connector config: a command named kvtier serve that served without kvtier.
+    proc = _kvtier("serve", "MODEL", "--kvtier", "spec_name=CPUOffloadingSpec",
+                   "--print-command")
+    assert proc.returncode == 2 and "--kvtier spec_name" in proc.stderr, proc.stderr
