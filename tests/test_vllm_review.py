@@ -277,3 +277,15 @@ def test_pipeline_parallel_engines_are_refused_at_start(role: str) -> None:
     rank = 0 if role == "scheduler" else 2
     with pytest.raises(ConfigError, match=r"not pipeline-parallel ones \(pp_size=4\)"):
         KVTierSpec(_config({"cpu_bytes_to_use": 64 * SLOT}, rank=rank, world=4, pp=4))
+
+
+def test_canonical_layout_is_said_to_be_ignored(caplog: pytest.LogCaptureFixture) -> None:
+    """vLLM's canonical_layout (topology-free pages) was accepted and silently
+    ignored: a user counting on blocks shared across TP sizes got none, with
+    no word why. Now a start-up warning says it (the bytes stay per rank, so
+    it was never a wrong block)."""
+    from kvtier.vllm.spec import KVTierSpec
+
+    with caplog.at_level("WARNING", logger="kvtier.vllm.spec"):
+        KVTierSpec(_config({"cpu_bytes_to_use": 64 * SLOT, "canonical_layout": True}))
+    assert "canonical_layout is ignored" in caplog.text

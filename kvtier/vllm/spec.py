@@ -111,6 +111,10 @@ class KVTierSpec(OffloadingSpec):
                 f"(pp_size={config.parallel.pp_size}): the stages' blocks differ in size, "
                 "and one slot count serves every rank"
             )
+        if self.extra_config.get("canonical_layout"):
+            logger.warning("kvtier: canonical_layout is ignored: kvtier keeps each rank's "
+                           "shard of a block as the engine lays it out, so blocks are "
+                           "shared only by engines of the same topology")
         self.slot_bytes = config.worker_kv_bytes_per_block
         self.num_slots = self._count_slots(config)
         self._vllm_config = find_vllm_config()  # the engine's: model config and weights
