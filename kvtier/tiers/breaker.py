@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Literal
 
@@ -35,7 +36,9 @@ BreakerState = Literal["closed", "open", "half_open"]
 class CircuitBreaker:
     """See the module docstring. ``on_change(state)`` is called, outside the
     breaker's lock, when it opens after closed (``"open"``) and when it closes
-    again (``"closed"``); failed probes do not call it."""
+    again (``"closed"``); failed probes do not call it. Calls come in the
+    order of the changes, one at a time, even when two threads change the
+    state at once, so the last call names the state the breaker is in."""
 
     def __init__(
         self,
@@ -65,6 +68,14 @@ class CircuitBreaker:
         self._clock = clock
         self._on_change = on_change
         self._lock = threading.Lock()
+        # Changes not announced yet, queued under ``_lock`` in the order they
+        # happened and announced under ``_announcing`` (reentrant: an
+        # ``on_change`` may call the breaker); at most one per thread in a
+        # ``record_*`` call. Announcing each change from its own thread after
+        # the lock, a thread paused there announced "open" after another's
+        # later "closed": the last word said open while the breaker was closed.
+        self._changes: deque[BreakerState] = deque()
+        self._announcing = threading.RLock()
         self._state: BreakerState = "closed"
         self._failures = 0
         self._open_s = self.reset_timeout_s
@@ -99,17 +110,15 @@ class CircuitBreaker:
         return allowed
 
     def record_success(self) -> None:
-        notify: BreakerState | None = None
         with self._lock:
             self._failures = 0
             if self._state != "closed":
                 self._state = "closed"
                 self._open_s = self.reset_timeout_s
-                notify = "closed"
-        self._notify(notify)
+                self._changes.append("closed")
+        self._announce()
 
     def record_failure(self) -> None:
-        notify: BreakerState | None = None
         with self._lock:
             self._failures += 1
             if self._state == "half_open":
@@ -120,8 +129,8 @@ class CircuitBreaker:
                 self._state = "open"
                 self._since = self._clock()
                 self.opens += 1
-                notify = "open"
-        self._notify(notify)
+                self._changes.append("open")
+        self._announce()
 
     def record_no_verdict(self) -> None:
         """The call let through ended without saying whether the server works;
@@ -132,9 +141,15 @@ class CircuitBreaker:
                 self._state = "open"
                 self._since = self._clock() - self._open_s
 
-    def _notify(self, state: BreakerState | None) -> None:
-        if state is not None and self._on_change is not None:
-            self._on_change(state)
+    def _announce(self) -> None:
+        """Pass the queued changes to ``on_change``, oldest first."""
+        if not self._changes:
+            return
+        with self._announcing:
+            while self._changes:
+                state = self._changes.popleft()
+                if self._on_change is not None:
+                    self._on_change(state)
 
     def __repr__(self) -> str:
         return f"CircuitBreaker(state={self.state!r}, opens={self.opens})"

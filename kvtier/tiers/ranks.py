@@ -97,7 +97,9 @@ class RankedTier(Tier):
         self._blocks = Counters()
         self._events = TierEventLog(self.name, enable_events, max_events)
         self._events_lock = threading.RLock()
-        self._quiet: dict[int, set[bytes]] = {}  # rank -> keys it deleted as orphans
+        # rank -> keys it deleted as orphans, with events only: emptied by the
+        # next ``_settle_events`` (at most the keys of the puts since then)
+        self._quiet: dict[int, set[bytes]] = {}
 
     def _parts(self, buffers: Sequence[Any], rank: int) -> list[BytesLike]:
         n = len(self.ranks)
@@ -210,7 +212,11 @@ class RankedTier(Tier):
         is not a block's (the rank that lacks the shard reports one, if any)."""
         with self._events_lock:
             self.ranks[rank].delete(keys)
-            self._quiet.setdefault(rank, set()).update(keys)
+            # Only read back (and emptied) by ``_settle_events``, which runs
+            # with events only: kept without them, this set grew by every
+            # orphan deleted, for the life of the engine.
+            if self._events.enabled:
+                self._quiet.setdefault(rank, set()).update(keys)
 
     def delete(self, keys: Sequence[bytes]) -> int:
         counts = [tier.delete(keys) for tier in self.ranks]
