@@ -4,6 +4,7 @@ they share (tiers, breakers), each test failing on the code before its fix."""
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 from types import TracebackType
 
@@ -106,3 +107,35 @@ def test_breaker_changes_are_announced_in_the_order_they_happened() -> None:
     assert not failing.is_alive()
     assert breaker.state == "closed"
     assert changes == ["open", "closed"], changes
+
+
+def test_closing_the_disk_lookups_answers_the_callers_waiting() -> None:
+    # Fault: close() emptied the queue but the callers waiting on it slept
+    # their whole timeout (and were counted as timeouts) for an answer that
+    # could no longer come; a tier closing at shutdown held its threads so long.
+    from kvtier.tiers.disk_lookups import DeadlineLookups
+
+    lookups = DeadlineLookups(timeout_s=5.0)
+    release = threading.Event()
+    started = threading.Event()
+
+    def hung() -> list[bool]:
+        started.set()
+        release.wait(10)
+        return [True]
+
+    answers: list[object] = []
+    first = threading.Thread(target=lambda: answers.append(lookups.run(hung)))
+    first.start()
+    assert started.wait(5)
+    t0 = time.monotonic()
+    second = threading.Thread(target=lambda: answers.append(lookups.run(lambda: [True])))
+    second.start()
+    time.sleep(0.05)  # queued behind the hung one
+    lookups.close()
+    second.join(5)
+    waited = time.monotonic() - t0
+    release.set()
+    first.join(5)
+    assert waited < 2.0, f"a waiting caller slept {waited:.1f} s after close()"
+    assert None in answers

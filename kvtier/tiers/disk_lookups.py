@@ -129,7 +129,9 @@ class DeadlineLookups:
             item = _Call(call, now + self.timeout_s)
             self._queue.append(item)
             self._cond.notify_all()
-            if not self._cond.wait_for(lambda: item.done, self.timeout_s):
+            # a close() answers the callers still waiting (with nothing) at once
+            self._cond.wait_for(lambda: item.done or self._closed, self.timeout_s)
+            if not item.done:
                 self.timeouts += 1
                 return None
             return item.result
@@ -154,7 +156,8 @@ class DeadlineLookups:
                 self._cond.notify_all()
 
     def close(self) -> None:
-        """Refuse new lookups; the thread ends once the one running (if any) returns."""
+        """Refuse new lookups and answer the waiting ones with nothing; the thread
+        ends once the one running (if any) returns."""
         with self._cond:
             self._closed = True
             self._queue.clear()
