@@ -19,6 +19,13 @@ The cache file is ``$KVTIER_CACHE_DIR/file-digests.json`` (default
 be read is ignored; one that cannot be written is skipped (the digests are
 computed again at the next start); two processes writing at once lose one's
 entries, never corrupt the file (written to a temporary file, then renamed).
+
+Whoever can write the cache decides which weights an engine believes it has
+(a forged entry gives new weights an old digest, and the engine serves the
+old weights' blocks). So the directory is made 0700 (its missing parents
+too, whatever the umask), the file 0600, and a file that is not this user's
+regular file, that others may write, or that is larger than a cache of
+``MAX_ENTRIES`` can be (``MAX_CACHE_BYTES``) is ignored.
 """
 
 from __future__ import annotations
@@ -28,12 +35,14 @@ import json
 import logging
 import os
 import re
+import stat
 import tempfile
 import time
 from pathlib import Path
 
 import xxhash
 
+from kvtier.atomic_files import make_private_dirs
 from kvtier.errors import KVTierError
 
 logger = logging.getLogger(__name__)
@@ -43,6 +52,9 @@ CACHE_NAME = "file-digests.json"
 
 MAX_ENTRIES = 4096
 """Digests remembered; the oldest are dropped first."""
+
+MAX_CACHE_BYTES = 1 << 20
+"""Largest cache file read: ``MAX_ENTRIES`` entries take about 600 KB."""
 
 READ_BYTES = 16 << 20
 """Bytes read per call while hashing a file."""
@@ -113,7 +125,7 @@ class FileDigests:
         if self.path is None:
             return {}
         try:
-            raw = json.loads(self.path.read_text())
+            raw = json.loads(_read_own_file(self.path, MAX_CACHE_BYTES))
         except (OSError, ValueError) as exc:
             if not isinstance(exc, FileNotFoundError):
                 logger.info("kvtier: ignoring the file digest cache %s: %s", self.path, exc)
@@ -152,7 +164,7 @@ class FileDigests:
         if self.path is None or not self._changed:
             return
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            make_private_dirs(self.path.parent)
             fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".digests-")
             try:
                 with os.fdopen(fd, "w") as f:
@@ -166,3 +178,32 @@ class FileDigests:
             logger.info("kvtier: cannot write the file digest cache %s: %s", self.path, exc)
             return
         self._changed = False
+
+
+# O_NONBLOCK: a FIFO at the cache's path would block a plain open until a writer came
+_O_READ = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+
+
+def _read_own_file(path: Path, limit: int) -> bytes:
+    """The bytes of ``path`` if it is a regular file of this process's user
+    that neither its group nor others may write, of at most ``limit`` bytes;
+    ``ValueError`` saying why not otherwise (``OSError`` when unreadable)."""
+    fd = os.open(path, _O_READ)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError("not a regular file")
+        if st.st_uid != os.geteuid():
+            raise ValueError(f"owned by uid {st.st_uid}, not this process's user")
+        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            raise ValueError(f"writable by others (mode {stat.S_IMODE(st.st_mode):o})")
+        if st.st_size > limit:
+            raise ValueError(f"{st.st_size} bytes, more than {limit}")
+        data = b""
+        while len(data) <= limit and (chunk := os.read(fd, limit + 1 - len(data))):
+            data += chunk
+    finally:
+        os.close(fd)
+    if len(data) > limit:  # grew since the fstat
+        raise ValueError(f"more than {limit} bytes")
+    return data

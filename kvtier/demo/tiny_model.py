@@ -6,11 +6,15 @@ Needs torch, transformers and tokenizers (vLLM's dependencies), imported on use.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import stat
 import tempfile
 from pathlib import Path
+
+from kvtier.atomic_files import make_private_dirs
 
 VOCAB_SIZE = 512
 NUM_SPECIAL = 3  # <unk>, <s>, </s>
@@ -55,14 +59,32 @@ def _save_tokenizer(path: Path) -> None:
 
 
 def default_model_dir() -> Path:
-    """``$XDG_CACHE_HOME/kvtier/tiny-llama`` (``~/.cache``), or a temp dir if unwritable."""
+    """``$XDG_CACHE_HOME/kvtier/tiny-llama`` (``~/.cache``), or if that cannot be
+    made ``tiny-llama`` in this user's private temp directory (``private_temp_dir``)."""
     base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     target = base.joinpath(*MODEL_SUBDIR)
     try:
-        target.parent.mkdir(parents=True, exist_ok=True)
+        make_private_dirs(target.parent)
     except OSError:
-        return Path(tempfile.gettempdir()) / "kvtier-tiny-llama"
+        return private_temp_dir() / "tiny-llama"
     return target
+
+
+def private_temp_dir() -> Path:
+    """``kvtier-UID`` in the temp directory, made 0700; ``PermissionError`` when
+    it is not this user's private directory. The temp directory is every
+    user's: a model found at a name anyone could take first (the old
+    ``/tmp/kvtier-tiny-llama``) could be another user's, with outputs of its
+    choosing."""
+    path = Path(tempfile.gettempdir()) / f"kvtier-{os.geteuid()}"
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path, 0o700)
+    st = os.lstat(path)
+    if (not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid()
+            or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)):
+        raise PermissionError(f"{path} is not a private directory of this user (uid "
+                              f"{os.geteuid()}): remove it, or pass a model directory")
+    return path
 
 
 def is_built(path: str | Path) -> bool:

@@ -14,6 +14,7 @@ import logging
 import mmap
 import os
 import re
+import stat
 import struct
 import tempfile
 import uuid
@@ -70,11 +71,11 @@ def _round_up(value: int, multiple: int) -> int:
 def _proc_stat(pid: int) -> list[str]:
     """Fields 3.. of ``/proc/PID/stat`` (state first), [] when unknown."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        text = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return []
     # The command name (field 2) may contain spaces and ')': split after the last ')'.
-    return stat.rsplit(")", 1)[-1].split()
+    return text.rsplit(")", 1)[-1].split()
 
 
 def _process_start_ticks(pid: int) -> int:
@@ -147,8 +148,39 @@ class RegionHeader:
 
     @classmethod
     def read(cls, path: Path) -> RegionHeader:
-        with path.open("rb") as f:
-            return cls.unpack(f.read(_HEADER.size + _ENGINE_ID_BYTES), str(path))
+        """The header of the region file at ``path`` (``open_region_file``'s checks)."""
+        fd = open_region_file(path, os.O_RDONLY)
+        try:
+            return cls.unpack(os.pread(fd, _HEADER.size + _ENGINE_ID_BYTES, 0), str(path))
+        finally:
+            os.close(fd)
+
+
+# O_NONBLOCK: a FIFO put at a region's name by another user would block a
+# plain open until a writer came (every engine's start, in its stale cleanup);
+# O_NOFOLLOW: a symlink there is not a region this process made.
+_O_REGION = os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
+def open_region_file(path: Path, flags: int) -> int:
+    """Open ``path`` with ``flags`` (``os.O_RDONLY`` or ``os.O_RDWR``) if it is a
+    region file this process may use: a regular file, not a symlink, owned by
+    this process's user. ``/dev/shm`` is writable by every user, so anything
+    else at a region's name (a FIFO, a device, another user's file with a
+    header of its choosing) is refused: ``ValueError`` naming the problem,
+    ``OSError`` when it cannot be opened (``ELOOP`` for a symlink)."""
+    fd = os.open(path, flags | _O_REGION)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"{path}: not a regular file, not a kvtier slot region")
+        if st.st_uid != os.geteuid():
+            raise ValueError(f"{path}: owned by uid {st.st_uid}, not by this process's "
+                             f"user (uid {os.geteuid()}): not a region of this engine")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _check_geometry(num_slots: int, slot_bytes: int, alignment: int) -> None:
@@ -204,12 +236,14 @@ def cleanup_stale_regions(shm_dir: str | Path | None = None) -> list[Path]:
     The creator is read from the region's header (pid and process start time,
     so a reused pid does not keep a dead engine's region), from the pid in a
     temp file's name, or for an unreadable header from the ``-PID.slots`` name.
-    Returns the removed paths.
+    Only this user's regular files are looked at: another user's, or a FIFO or
+    symlink at such a name, is none of this engine's business (and a FIFO
+    would block the read of its header). Returns the removed paths.
     """
     directory = Path(shm_dir) if shm_dir is not None else default_shm_dir()
     removed: list[Path] = []
     for path in directory.glob(f"{PREFIX}*"):
-        if not _is_stale(path):
+        if not _is_own_file(path) or not _is_stale(path):
             continue
         try:
             path.unlink()
@@ -240,6 +274,15 @@ def _creator_of(path: Path) -> tuple[int, int] | None:
         named = _NAME_PID.search(path.name)
         return (int(named.group(1)), 0) if named else None
     return header.creator_pid, header.creator_start_ticks
+
+
+def _is_own_file(path: Path) -> bool:
+    """Whether ``path`` is a regular file (not a symlink) of this process's user."""
+    try:
+        st = path.lstat()
+    except OSError:
+        return False
+    return stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid()
 
 
 def _is_stale(path: Path) -> bool:
@@ -278,7 +321,7 @@ class SlotRegion:
         self.path = path
         self.header = header
         self.is_creator = creator
-        fd = os.open(path, os.O_RDWR)
+        fd = open_region_file(path, os.O_RDWR)
         try:
             self._mmap: mmap.mmap | None = mmap.mmap(fd, self.total_bytes)
         finally:
@@ -410,6 +453,8 @@ class SlotRegion:
         """Map an existing region by file name (or path).
 
         When ``num_slots``/``slot_bytes`` are given they must match the header.
+        ``ValueError`` for anything at that name but this user's regular file
+        (``open_region_file``): another user could have put it in ``/dev/shm``.
         """
         path = Path(name)
         if not path.is_absolute():
@@ -419,7 +464,7 @@ class SlotRegion:
             raise FileNotFoundError(errno.ENOENT, f"no slot region at {path}")
         header = RegionHeader.read(path)
         cls._check_expected(header, num_slots, slot_bytes, path)
-        size = path.stat().st_size
+        size = path.stat(follow_symlinks=False).st_size
         expected = header.data_offset + header.num_slots * header.slot_stride
         if size < expected:
             raise ValueError(f"{path}: file has {size} bytes, header needs {expected}")

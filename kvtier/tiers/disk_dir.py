@@ -27,6 +27,7 @@ from pathlib import Path
 
 import xxhash
 
+from kvtier.atomic_files import make_private_dirs
 from kvtier.file_locks import hold_lock, is_locked
 from kvtier.slots.region import pid_alive
 from kvtier.tiers.base import TierConfigError
@@ -108,20 +109,6 @@ def unlink_quietly(path: str) -> bool:
     return True
 
 
-def _make_private_dirs(path: Path) -> None:
-    """Create ``path`` and its missing parents, each 0700 (``os.makedirs`` would
-    give the parents the umask's mode: 0777 under umask 0). Existing ones stay."""
-    missing: list[Path] = []
-    while not os.path.lexists(path):
-        missing.append(path)
-        if path.parent == path:
-            break
-        path = path.parent
-    for directory in reversed(missing):
-        with contextlib.suppress(FileExistsError):  # another engine made it meanwhile
-            os.mkdir(directory, 0o700)
-
-
 def check_tier_path(path: str | os.PathLike[str]) -> None:
     """``TierConfigError`` when a disk tier could not make its directory at
     ``path``: it exists and is no writable directory, the nearest existing
@@ -195,7 +182,7 @@ class TierDirectory:
         try:
             if self.path.exists() and not self.path.is_dir():
                 raise TierConfigError(f"disk_path {self.path} exists and is not a directory")
-            _make_private_dirs(self.path)
+            make_private_dirs(self.path)
             check_owners(self.path)  # after making it: one made meanwhile by another is seen
             for directory in (self.path / LAYOUT_DIR, self.root):
                 self._own(directory)
