@@ -226,6 +226,12 @@ class OffloadManager:
                 self._drop_leases(ctx)
         return now
 
+    def _expire_leases_dropped(self) -> bool:
+        """``_expire_leases``; whether it dropped a lease (else nothing changed)."""
+        held = self._leases.held
+        self._expire_leases()
+        return self._leases.held != held
+
     # -- loads -------------------------------------------------------------
 
     def prepare_load(self, keys: Iterable[bytes], ctx: RequestContext) -> LoadSpec:
@@ -352,10 +358,9 @@ class OffloadManager:
         if n > self.num_blocks:
             return None
         protected = set(offer)
-        victims = self.policy.evict(need, protected)
-        if victims is None and self._leases.has_holders():
-            self._expire_leases()
-            victims = self.policy.evict(need, protected)
+        victims = self._evict(need, protected)
+        if victims is None and self._leases.has_holders() and self._expire_leases_dropped():
+            victims = self._evict(need, protected)  # only if a lease lapsed: else nothing changed
         if victims is None:
             return None
         freed = self._take_victims(victims, need, protected)
@@ -368,6 +373,24 @@ class OffloadManager:
             self._history.record(victims)
             self._events.emit(victims, "removed")
         return victims
+
+    def _evict(self, need: int, protected: set[bytes]) -> list[bytes] | None:
+        """The policy's ``need`` victims, or None when fewer than ``need``
+        resident blocks are neither held nor ``protected``.
+
+        Then the policy is not asked: it could only fail (its ``evict`` is
+        atomic and never returns a held or protected key), after scanning
+        every resident block for victims. A full cache of held blocks (loads,
+        leases, writes in flight) made each refused offer cost that scan, and
+        vLLM repeats a refused offer at every step. The count is O(offer).
+        """
+        evictable = len(self._slot) - len(self._holds.blocked)  # held blocks are resident
+        if evictable - len(protected) < need:
+            slot, blocked = self._slot, self._holds.blocked
+            evictable -= sum(1 for k in protected if k in slot and k not in blocked)
+            if evictable < need:
+                return None
+        return self.policy.evict(need, protected)
 
     def _take_victims(self, victims: list[bytes], need: int, protected: set[bytes]) -> list[int]:
         """Drop ``victims`` from the block table; return their slots.
