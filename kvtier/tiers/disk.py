@@ -246,9 +246,12 @@ class DiskTier(Tier):
         )
 
     def _check_key(self, key: bytes) -> None:
-        if len(key) > MAX_DISK_KEY_BYTES:
+        # checked before ``put`` reserves anything: the block file's header
+        # refuses an empty key only once the write has begun
+        if not 1 <= len(key) <= MAX_DISK_KEY_BYTES:
             raise ValueError(
-                f"disk tier keys are at most {MAX_DISK_KEY_BYTES} bytes, got {len(key)}"
+                f"disk tier keys are at least 1 and at most {MAX_DISK_KEY_BYTES} bytes, "
+                f"got {len(key)}"
             )
 
     def _check_open(self) -> None:
@@ -621,12 +624,15 @@ class DiskTier(Tier):
             if deficit > 0:
                 self._counters.add("no_space")
             return False
-        ok = self._write(key, path, view)
-        with self._lock:
-            self._pending.pop(key, None)
-            self._pending_bytes -= acct
-            if ok:
-                self._insert_locked(key, acct)
+        ok = False
+        try:
+            ok = self._write(key, path, view)
+        finally:  # also when the write raises: a reservation kept would never end
+            with self._lock:
+                self._pending.pop(key, None)
+                self._pending_bytes -= acct
+                if ok:
+                    self._insert_locked(key, acct)
         if ok:
             self._counters.add("stores")
         return ok
