@@ -200,8 +200,8 @@ def test_a_block_the_cascade_wrote_to_redis_is_not_hidden_by_an_older_probe(
 ) -> None:
     # The probe answer "not in Redis" given before the cascade wrote the block
     # there was trusted for probe_ttl_s: a block evicted from the CPU tier soon
-    # after its first lookup was recomputed, not promoted (a small CPU tier
-    # under a Redis tier promoted 0 blocks in 300 requests).
+    # after its first lookup was recomputed, not promoted (as write-on-evict
+    # does to every block of a small CPU tier).
     tier = RedisTier(server.url, NS)
     with SlotRegion.create("review-probe", 2, SIZE, shm_dir=tmp_path) as region:
         c = TierCascade(OffloadManager(2, policy="lru"), region, [tier], probe_ttl_s=60)
