@@ -410,16 +410,18 @@ ENGINE_CACHE_BYTES_PER_BLOCK = 139
 """Memory the model of vLLM's prefix cache takes per ``--gpu-blocks`` block (measured)."""
 
 
-def _check_memory(args: argparse.Namespace) -> None:
-    """``CommandError`` naming the flag when the largest ``--capacity`` or
-    ``--gpu-blocks`` asks for more memory than this process may use, found
-    before the run."""
+def check_sizes_fit(capacity: int | None = None, gpu_blocks: int | None = None,
+                    capacity_flag: str = "--capacity") -> None:
+    """``CommandError`` naming the flag when ``capacity`` CPU slots or
+    ``gpu_blocks`` engine cache blocks ask for more memory than this process
+    may use: found before a run (replay, soak, foresight) starts."""
     from kvtier.host_memory import check_fits
 
     try:
-        check_fits("--capacity", max(args.capacity), MANAGER_BYTES_PER_SLOT, "CPU slots")
-        if args.gpu_blocks is not None:
-            check_fits("--gpu-blocks", args.gpu_blocks, ENGINE_CACHE_BYTES_PER_BLOCK,
+        if capacity is not None:
+            check_fits(capacity_flag, capacity, MANAGER_BYTES_PER_SLOT, "CPU slots")
+        if gpu_blocks is not None:
+            check_fits("--gpu-blocks", gpu_blocks, ENGINE_CACHE_BYTES_PER_BLOCK,
                        "engine cache blocks")
     except ValueError as exc:
         raise CommandError(str(exc)) from None
@@ -428,7 +430,7 @@ def _check_memory(args: argparse.Namespace) -> None:
 def cmd_replay(args: argparse.Namespace) -> int:
     """Run every policy x capacity x threshold over the trace and print the results."""
     check_policies(args.policy)
-    _check_memory(args)
+    check_sizes_fit(max(args.capacity), args.gpu_blocks)
     _check_engine_options(args)
     _check_plot(args)
     if args.disk_blocks is None:

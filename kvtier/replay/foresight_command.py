@@ -40,10 +40,11 @@ def add_foresight_parser(commands: Any) -> None:
 
 def cmd_foresight(args: argparse.Namespace) -> int:
     """Run the three rankings and LRU; print the table (or JSON)."""
+    from kvtier.cli import check_sizes_fit
     from kvtier.replay.foresight import asked_streams, readings, rows, run, table
     from kvtier.replay.serving_trace import MissingLengthError, missing_length_message
 
-    _check_memory(args.gpu_blocks)
+    check_sizes_fit(gpu_blocks=args.gpu_blocks)
     path = args.trace or BUNDLED_TRACE
     loaded = load_requests(path)[: args.limit_requests]
     try:
@@ -60,19 +61,3 @@ def cmd_foresight(args: argparse.Namespace) -> int:
     print("\n".join(readings(results)))
     return 0
 
-
-def _check_memory(gpu_blocks: int | None) -> None:
-    """``CommandError`` naming ``--gpu-blocks`` when the model of the engine's
-    cache would take more memory than this process may use: found before the
-    trace is read, as ``kvtier replay`` does, rather than a ``MemoryError`` (or
-    the OOM killer) once the cache is built."""
-    if gpu_blocks is None:
-        return
-    from kvtier.cli import ENGINE_CACHE_BYTES_PER_BLOCK
-    from kvtier.host_memory import check_fits
-
-    try:
-        check_fits("--gpu-blocks", gpu_blocks, ENGINE_CACHE_BYTES_PER_BLOCK,
-                   "engine cache blocks")
-    except ValueError as exc:
-        raise CommandError(str(exc)) from None

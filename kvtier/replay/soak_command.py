@@ -54,8 +54,7 @@ def add_soak_parser(commands: Any) -> None:
 
 def cmd_soak(args: argparse.Namespace) -> int:
     """Run the soak; print samples and the summary; 1 on a bound violation."""
-    from kvtier.cli import MANAGER_BYTES_PER_SLOT
-    from kvtier.host_memory import check_fits
+    from kvtier.cli import check_sizes_fit
     from kvtier.replay.soak import DEFAULT_REDIS_MAXMEMORY, Sample, SoakConfig, run_soak
     from kvtier.server_process import sigterm_as_exit
 
@@ -70,9 +69,9 @@ def cmd_soak(args: argparse.Namespace) -> int:
                         kinds=kinds, sample_every=every, seed=args.seed)
     try:
         config.check()
-        check_fits("--cpu-blocks", args.cpu_blocks, MANAGER_BYTES_PER_SLOT, "CPU slots")
     except ValueError as exc:
         raise CommandError(str(exc)) from None
+    check_sizes_fit(args.cpu_blocks, capacity_flag="--cpu-blocks")
     plot = _plot_path(args.plot)
     progress = make_progress(args.requests, not args.no_progress, unit="req")
     if not args.json:
