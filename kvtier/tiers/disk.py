@@ -640,14 +640,12 @@ class DiskTier(Tier):
     def _write(self, key: bytes, path: str, view: memoryview) -> bool:
         header = blockfile.pack_header(self._ns, key, view)
         tmp = self.dir.temp_file(key, next(self._tmp_serial))
+        # Removed on failure only if created here: one already there
+        # (FileExistsError) is another writer's with this pid, in another container.
+        created = False
         try:
-            try:
-                fd = self._create_temp(tmp)
-            except FileExistsError:
-                # Another writer's (an engine in another pid namespace with
-                # this pid): its write in progress, not ours to remove.
-                tmp = ""
-                raise
+            fd = self._create_temp(tmp)
+            created = True
             try:
                 hold_lock(fd)  # until the rename: scans elsewhere leave the temp file alone
                 write_full(fd, [memoryview(header), view])
@@ -657,7 +655,7 @@ class DiskTier(Tier):
             finally:
                 os.close(fd)
         except OSError as exc:
-            if tmp:
+            if created:
                 unlink_quietly(tmp)
             self._counters.add("dropped_stores")
             if exc.errno in _NO_SPACE:
