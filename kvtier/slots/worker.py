@@ -328,12 +328,8 @@ class _CopyTask:
             self.dst[self.dst_ids] = self.src[self.src_ids]
 
     def split(self, parts: int) -> list[_CopyTask]:
-        bounds = np.linspace(0, self.src_ids.size, parts + 1).astype(int)
-        return [
-            _CopyTask(self.dst, self.dst_ids[a:b], self.src, self.src_ids[a:b])
-            for a, b in itertools.pairwise(bounds.tolist())
-            if b > a
-        ]
+        return [_CopyTask(self.dst, self.dst_ids[a:b], self.src, self.src_ids[a:b])
+                for a, b in _shares(self.src_ids.size, parts)]
 
 
 @dataclass(frozen=True)
@@ -349,9 +345,13 @@ class _ZeroTask:
         self.tail[self.ids] = 0
 
     def split(self, parts: int) -> list[_ZeroTask]:
-        bounds = np.linspace(0, self.ids.size, parts + 1).astype(int)
-        return [_ZeroTask(self.tail, self.ids[a:b])
-                for a, b in itertools.pairwise(bounds.tolist()) if b > a]
+        return [_ZeroTask(self.tail, self.ids[a:b]) for a, b in _shares(self.ids.size, parts)]
+
+
+def _shares(size: int, parts: int) -> list[tuple[int, int]]:
+    """``[a, b)`` bounds of ``parts`` near-equal, non-empty shares of ``size`` items."""
+    bounds = np.linspace(0, size, parts + 1).astype(int).tolist()
+    return [(a, b) for a, b in itertools.pairwise(bounds) if b > a]
 
 
 class CpuCopier:
