@@ -87,20 +87,28 @@ class _PausingLock:
 
 
 def test_breaker_changes_are_announced_in_the_order_they_happened() -> None:
-    """An I/O thread's failure opens the breaker while another thread's call,
-    let through before, succeeds and closes it again. Each announced its own
+    """An I/O thread's failure opens the breaker, and the probe that follows
+    succeeds and closes it again before the failing thread told anyone
+    (it is paused right after the lock). Each announced its own
     change after releasing the lock, so the failing thread, paused there,
     announced "open" last: the Redis tier's last event and log line said the
     server was refused while its breaker was closed and serving."""
     changes: list[BreakerState] = []
-    breaker = CircuitBreaker(1, 60.0, 60.0, on_change=changes.append)
+    now = [100.0]
+    breaker = CircuitBreaker(1, 60.0, 60.0, on_change=changes.append, clock=lambda: now[0])
     lock = _PausingLock(breaker, "failing-call")
     breaker._lock = lock  # type: ignore[assignment]
-    failing = threading.Thread(target=breaker.record_failure, name="failing-call")
+    permit = breaker.allow()
+    assert permit
+    failing = threading.Thread(target=breaker.record_failure, args=(permit,),
+                               name="failing-call")
     failing.start()
     try:
         assert lock.paused.wait(10)
-        breaker.record_success()  # a call let through before it opened
+        now[0] += 60.0
+        probe = breaker.allow()  # the probe, which succeeds
+        assert probe
+        breaker.record_success(probe)
     finally:
         lock.resume.set()
         failing.join(10)

@@ -85,7 +85,7 @@ def test_a_call_that_close_overtakes_builds_no_new_client(server: RedisServer) -
     tier = RedisTier(server.url, NS, failure_threshold=1, reset_timeout_s=1.0)
     k = block_key(2)
     assert tier.put([(k, payload(2))]) == [True]
-    tier.breaker.record_failure()  # open: the next call is the breaker's probe
+    tier.breaker.record_failure(tier.breaker.allow())  # open: the next call is the probe
     assert tier.breaker.state == "open"
     inside, go_on = threading.Event(), threading.Event()
 

@@ -95,9 +95,9 @@ def test_round_trip(server: RedisServer, raw: object) -> None:
     keys = [block_key(i) for i in range(5)]
     assert tier.put([(k, payload(i)) for i, k in enumerate(keys)]) == [True] * 5
     assert tier.contains([*keys, block_key(99)]) == [True] * 5 + [False]
-    bufs = [np.zeros(SIZE + 10, np.uint8) for _ in keys]
+    bufs = [np.zeros(SIZE, np.uint8) for _ in keys]
     assert tier.get_into(keys, bufs) == [SIZE] * 5
-    assert all(np.array_equal(b[:SIZE], payload(i)) for i, b in enumerate(bufs))
+    assert all(np.array_equal(b, payload(i)) for i, b in enumerate(bufs))
     assert bytes(tier.get([keys[0]])[0]) == payload(0).tobytes()  # type: ignore[arg-type]
     assert tier.get([block_key(99)]) == [None]
     value = raw.get(rkey(keys[0]))  # type: ignore[attr-defined]
@@ -602,34 +602,38 @@ def test_breaker_opens_probes_backs_off_and_closes() -> None:
     clock = Clock()
     changes: list[str] = []
     b = CircuitBreaker(3, 1.0, 4.0, clock=clock, on_change=changes.append)
+
+    def fail() -> None:
+        permit = b.allow()
+        assert permit
+        b.record_failure(permit)
+
     for _ in range(2):
-        assert b.allow()
-        b.record_failure()
+        fail()
     assert b.state == "closed"
-    b.record_success()  # successes reset the count
+    b.record_success(b.allow())  # successes reset the count
     for _ in range(3):
-        assert b.allow()
-        b.record_failure()
+        fail()
     assert b.state == "open" and changes == ["open"]
     assert not b.allow() and not b.ready()
     clock.now += 1.0
     assert b.ready()
-    assert b.allow()  # the probe
+    probe = b.allow()  # the probe
+    assert probe
     assert b.state == "half_open" and not b.allow()  # only one probe at a time
-    b.record_failure()  # failed probe: open twice as long
+    b.record_failure(probe)  # failed probe: open twice as long
     clock.now += 1.5
     assert not b.allow()
     clock.now += 0.5
-    assert b.allow()
-    b.record_failure()
+    fail()
     clock.now += 4.0  # capped at max_reset_timeout_s
-    assert b.allow()
-    b.record_success()
+    probe = b.allow()
+    assert probe
+    b.record_success(probe)
     assert b.state == "closed" and changes == ["open", "closed"] and b.opens == 1
     clock.now += 0.1
     for _ in range(3):
-        b.allow()
-        b.record_failure()
+        fail()
     clock.now += 1.0  # back to the initial timeout after closing
     assert b.allow()
 
@@ -637,8 +641,7 @@ def test_breaker_opens_probes_backs_off_and_closes() -> None:
 def test_breaker_gives_up_on_a_lost_probe() -> None:
     clock = Clock()
     b = CircuitBreaker(1, 1.0, clock=clock)
-    b.allow()
-    b.record_failure()
+    b.record_failure(b.allow())
     clock.now += 1.0
     assert b.allow()  # probe never reports
     clock.now += 1.0
@@ -652,15 +655,16 @@ def test_a_probe_that_proves_nothing_lets_the_next_caller_probe_at_once() -> Non
     # another open_s (up to max_reset_timeout_s) while the server was back.
     clock = Clock()
     b = CircuitBreaker(1, 8.0, clock=clock)
-    b.allow()
-    b.record_failure()
+    b.record_failure(b.allow())
     clock.now += 8.0
-    assert b.allow()  # the probe
-    b.record_no_verdict()
-    assert b.allow(), "the next caller must probe at once"
-    b.record_success()
+    probe = b.allow()  # the probe
+    assert probe
+    b.record_no_verdict(probe)
+    probe = b.allow()
+    assert probe, "the next caller must probe at once"
+    b.record_success(probe)
     assert b.state == "closed"
-    b.record_no_verdict()  # outside a probe: nothing changes
+    b.record_no_verdict(b.allow())  # outside a probe: nothing changes
     assert b.state == "closed" and b.allow()
 
 

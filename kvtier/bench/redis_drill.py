@@ -151,7 +151,8 @@ class RedisDrillReport:
     fixed_failed: int = 0
     writer_acked: int = 0
     engine_corrupt: int = 0
-    """Redis values the engine found corrupt (a miss, deleted): must be 0."""
+    """Redis values the engine found corrupt (a miss, deleted or, failing that,
+    kept): must be 0."""
     evicted_keys: int = 0
     """Keys the server evicted (its ``noeviction`` policy keeps this 0, so the
     survival counts are exact)."""
@@ -373,7 +374,8 @@ class _RedisRun:
         try:
             held, wrong = writer_versions(tier, range(self.s.writer_keys),
                                           self.s.writer_block_bytes)
-            wrong += int(tier.stats()["corrupt"])
+            stats = tier.stats()
+            wrong += int(stats["corrupt"]) + int(stats["corrupt_kept"])
         finally:
             tier.close()
         return held, wrong
@@ -432,7 +434,8 @@ class _RedisRun:
             client.close()
         if self.server is not None:
             with contextlib.suppress(OSError):
-                self.report.engine_corrupt = int(tier_metric(self.url, "corrupt", "redis"))
+                self.report.engine_corrupt = int(tier_metric(self.url, "corrupt", "redis")
+                                                 + tier_metric(self.url, "corrupt_kept", "redis"))
             self.report.engine_status = self.server.stop()
             self.report.leftovers = list(self.server.leftovers)
         self.redis.close()

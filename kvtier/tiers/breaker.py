@@ -13,11 +13,16 @@ States:
     probe's success closes the breaker (and resets ``open_s``), its failure
     opens it again. A probe that never reports is given up after ``open_s``.
 
-Every call let through must be followed by ``record_success()``,
-``record_failure()``, or ``record_no_verdict()`` when it ended without
-telling whether the server works (a client-side limit, a caller's mistake):
-a probe without a verdict lets the next caller probe at once. Memory and
-work are O(1).
+``allow()`` gives each call let through a :class:`Permit`, which names the
+stretch of state (the epoch) it began in; the call must end with
+``record_success(permit)``, ``record_failure(permit)``, or
+``record_no_verdict(permit)`` when it ended without telling whether the
+server works (a client-side limit, a caller's mistake): a probe without a
+verdict lets the next caller probe at once. A verdict from an earlier epoch
+is stale and changes nothing: a slow call let through before the breaker
+opened must not close it again when it finally succeeds (only the probe,
+which began after the opening, may), nor fail the probe of a later epoch.
+Memory and work are O(1).
 """
 
 from __future__ import annotations
@@ -26,11 +31,21 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Literal
 
 from kvtier.tiers.base import TierConfigError, seconds_setting
 
 BreakerState = Literal["closed", "open", "half_open"]
+
+
+@dataclass(frozen=True, slots=True)
+class Permit:
+    """A call let through by :meth:`CircuitBreaker.allow`; ``epoch``: the
+    breaker's epoch when it was let through (its verdict counts only while
+    the breaker is still in that epoch). Always true."""
+
+    epoch: int
 
 
 class CircuitBreaker:
@@ -80,6 +95,9 @@ class CircuitBreaker:
         self._failures = 0
         self._open_s = self.reset_timeout_s
         self._since = 0.0  # when the current open / half-open state began
+        # Bumped at every change of state and at every probe let through: a
+        # verdict counts only from a call let through in the current epoch.
+        self._epoch = 0
         self.opens = 0
         self.rejected = 0
 
@@ -93,52 +111,70 @@ class CircuitBreaker:
         with self._lock:
             return self._state == "closed" or self._clock() - self._since >= self._open_s
 
-    def allow(self) -> bool:
-        """Whether a call may go now (as the probe when the breaker is open)."""
+    def allow(self) -> Permit | None:
+        """A permit when a call may go now (as the probe when the breaker is
+        open), else None."""
         with self._lock:
             if self._state == "closed":
-                return True
+                return Permit(self._epoch)
             now = self._clock()
-            if now - self._since >= self._open_s:
-                # Open long enough, or a probe that never reported: probe again.
-                self._state = "half_open"
-                self._since = now
-                allowed = True
-            else:
+            if now - self._since < self._open_s:
                 self.rejected += 1
-                allowed = False
-        return allowed
+                return None
+            # Open long enough, or a probe that never reported: probe again
+            # (a new epoch, so the lost probe's late verdict is stale).
+            self._state = "half_open"
+            self._since = now
+            self._epoch += 1
+            return Permit(self._epoch)
 
-    def record_success(self) -> None:
+    def _current(self, permit: Permit) -> bool:
+        """Whether ``permit``'s call began in the current epoch (under ``_lock``)."""
+        if not isinstance(permit, Permit):
+            raise TypeError(f"expected the Permit that allow() returned, got {permit!r}")
+        return permit.epoch == self._epoch
+
+    def record_success(self, permit: Permit) -> None:
+        """The call ``permit`` let through found the server working."""
         with self._lock:
+            if not self._current(permit):
+                return  # began before the last change: proves nothing about now
             self._failures = 0
             if self._state != "closed":
                 self._state = "closed"
+                self._epoch += 1
                 self._open_s = self.reset_timeout_s
                 self._changes.append("closed")
         self._announce()
 
-    def record_failure(self) -> None:
+    def record_failure(self, permit: Permit) -> None:
+        """The call ``permit`` let through found the server failing."""
         with self._lock:
+            if not self._current(permit):
+                return
             self._failures += 1
             if self._state == "half_open":
                 self._open_s = min(self._open_s * 2, self.max_reset_timeout_s)
                 self._state = "open"
+                self._epoch += 1
                 self._since = self._clock()  # a failed probe: still open, longer
             elif self._state == "closed" and self._failures >= self.failure_threshold:
                 self._state = "open"
+                self._epoch += 1
                 self._since = self._clock()
                 self.opens += 1
                 self._changes.append("open")
         self._announce()
 
-    def record_no_verdict(self) -> None:
-        """The call let through ended without saying whether the server works;
-        if it was the probe, the next ``allow()`` probes again (not only after
-        ``open_s``: recovery is not delayed by a probe that proved nothing)."""
+    def record_no_verdict(self, permit: Permit) -> None:
+        """The call ``permit`` let through ended without saying whether the
+        server works; if it was the probe, the next ``allow()`` probes again
+        (not only after ``open_s``: recovery is not delayed by a probe that
+        proved nothing)."""
         with self._lock:
-            if self._state == "half_open":
+            if self._current(permit) and self._state == "half_open":
                 self._state = "open"
+                self._epoch += 1
                 self._since = self._clock() - self._open_s
 
     def _announce(self) -> None:

@@ -3,9 +3,21 @@
 Each block is one string value, ``blockfile`` header + payload, stored under
 ``<key_prefix>:<namespace>:<block key bytes>``; reads check the header and the
 checksum, and a bad value is a miss, deleted (unless a fresh copy replaced
-it meanwhile), counted (``corrupt``) and reported (event). All batch calls are
+it meanwhile), counted (``corrupt``) and reported (a ``corrupt`` event, unless
+the key holds a fresh copy). A bad value the server would not let this
+client delete (refused, failed, breaker open) stays: it is counted in
+``corrupt_kept`` instead, with no event, and found again by the next read (a
+delete that timed out may still have run: the value is then simply gone).
+``get_into`` wants a payload of exactly its buffer's size (a CPU slot; the
+namespace fixes a block's size): a valid value of another length is a bad
+value too (``wrong length``), never a hit. All batch calls are
 pipelined (one round trip per batch of up to ``max_batch_keys`` keys /
-``max_batch_bytes`` bytes, which also bounds the memory a call holds).
+``max_batch_bytes`` bytes, which also bounds the memory a call holds, as long
+as the values are of the sizes asked for: GET reads a value whole before its
+length can be checked, so one that another client made larger, up to the
+server's ``proto-max-bulk-len``, is held whole before it is refused; the
+commands that would read a length first, STRLEN or GETRANGE, are not in the
+ACL kvtier documents).
 
 URLs: ``redis://[[user]:password@]host:port/db``, ``rediss://`` (TLS; options
 such as ``?ssl_cert_reqs=required&ssl_ca_certs=/path/ca.pem`` in the query or in
@@ -26,12 +38,18 @@ are evicted): the server then evicts the least recently used blocks. Under
 counted, the tier keeps serving reads. ``ttl_s`` gives every value an expiry.
 
 Failures: every call has ``socket_timeout_s`` (and ``connect_timeout_s``), and
-redis-py's own retries are off. Transport failures (connection refused or
+redis-py's own retries are off. Resolving the server's host name, which
+redis-py does for every new connection, is bounded by the system resolver's
+own timeouts only: the cascade makes its calls on I/O threads, but with
+``redis_async_lookups`` off a lookup's connection is made on the scheduler's
+thread (give an IP address, or a resolver that answers locally, there).
+Transport failures (connection refused or
 reset, timeouts, auth failures, cluster down) feed a :class:`CircuitBreaker`:
 after ``failure_threshold`` in a row it opens; while open the tier reports
 misses and drops stores without touching the network; after
 ``reset_timeout_s`` (doubling per failed probe up to ``max_reset_timeout_s``)
-one call probes the server and closes the breaker when it succeeds. The
+one call probes the server and closes the breaker when it succeeds (a slow
+call let through before the breaker opened does not close it). The
 warning logged when it opens names the last failure (e.g. a TLS certificate
 that failed verification, a refused password), secrets redacted.
 """
@@ -196,7 +214,7 @@ class RedisTier(Tier):
         self._client_obj: Any = None
         self._warn = WarningLimiter(logger)
         self._client_lock = threading.Lock()
-        self._counters = Counters("rejected")
+        self._counters = Counters("rejected", "corrupt_kept")
         self._events = TierEventLog(self.name, enable_events, max_events)
         self._breaker = CircuitBreaker(
             failure_threshold, reset_timeout_s, max_reset_timeout_s, on_change=self._on_breaker
@@ -298,7 +316,8 @@ class RedisTier(Tier):
         of the server's failures: no breaker count, no error, no warning."""
         if self._closed:
             return FAILED
-        if not self._breaker.allow():
+        permit = self._breaker.allow()
+        if permit is None:
             self._counters.add("rejected")
             return FAILED
         try:
@@ -306,32 +325,32 @@ class RedisTier(Tier):
         except _ClosedUnderCall:
             return FAILED
         except TierConfigError:
-            self._breaker.record_success()
+            self._breaker.record_success(permit)
             raise
         except MaxConnectionsError:
             # this client's own limit (a max_connections option), not the server:
             # a miss, and no failure of the server for the breaker to count
-            self._breaker.record_no_verdict()
+            self._breaker.record_no_verdict(permit)
             self._counters.add("rejected")
             self._warn.warning("kvtier redis tier %s: every pooled connection is in use "
                                "(max_connections); calls beyond it are misses", self.safe_url)
             return FAILED
         except _TRANSPORT_ERRORS as exc:
             self._last_failure = self._explain(exc)  # named when the breaker opens
-            self._breaker.record_failure()
+            self._breaker.record_failure(permit)
             self._counters.add("errors")
             self._drop_idle_connections()
             logger.debug("kvtier redis tier %s: %s", self.safe_url, self._last_failure)
             return FAILED
         except RedisError as exc:
-            self._breaker.record_success()  # the server answered
+            self._breaker.record_success(permit)  # the server answered
             self._counters.add("errors")
             self._warn.warning("kvtier redis tier %s: %s", self.safe_url, self._describe(exc))
             return FAILED
         except BaseException:  # a caller's mistake (a bad key...): nothing about the server
-            self._breaker.record_no_verdict()
+            self._breaker.record_no_verdict(permit)
             raise
-        self._breaker.record_success()
+        self._breaker.record_success(permit)
         return result
 
     def _call(self, fn: Callable[[Any], T]) -> T:
@@ -386,6 +405,9 @@ class RedisTier(Tier):
         return out
 
     def get_into(self, keys: Sequence[bytes], buffers: Sequence[BytesLike]) -> list[int | None]:
+        """Read each key's payload into its buffer: its size, which is the
+        buffer's, or None (a miss; a value of another length is a bad value,
+        see the module docstring)."""
         self._check_open()
         keys = check_batch(keys)
         check_buffers(keys, buffers)
@@ -445,8 +467,12 @@ class RedisTier(Tier):
             n = payload.nbytes
             if dest is None:
                 return n, payload
-            if n > dest.nbytes:
-                raise CorruptBlockError("payload larger than buffer", f"{n} > {dest.nbytes}")
+            if n != dest.nbytes:
+                # A buffer is a CPU slot, and every block of a namespace fills
+                # one: a value of another size is no block this reader can use
+                # (the cascade would refuse it after the tier counted a hit).
+                raise CorruptBlockError("wrong length", f"{n} bytes for a {dest.nbytes}-byte "
+                                                        "buffer")
         except CorruptBlockError as exc:
             corrupt.append((key, exc.reason, value))
             return None, None
@@ -457,28 +483,45 @@ class RedisTier(Tier):
         """Delete each corrupt value unless the key holds another value by now (a
         fresh copy another engine stored since this one read it). A user the
         server does not let run scripts (an ACL with only kvtier's plain
-        commands) deletes unconditionally."""
+        commands) deletes unconditionally. Counts and reports each value by
+        what became of it (``_removal``)."""
         keys = [k for k, _, _ in corrupt]
-
-        def delete(client: Any) -> None:
-            left = keys
-            if self._scripts_allowed:
-                replies = self._pipelined(client, keys, lambda pipe, i: pipe.eval(
-                    _DELETE_IF_UNCHANGED, 1, self._rkey(keys[i]), corrupt[i][2]))
-                if any(_refused_script(r) for r in replies):
-                    self._scripts_allowed = False
-                # DEL where the script did not run (refused, or failed)
-                left = [k for k, r in zip(keys, replies, strict=True)
-                        if isinstance(r, BaseException)]
-            if left:
-                self._pipelined(client, left, lambda pipe, i: pipe.delete(self._rkey(left[i])))
-
-        self._run(delete)
-        self._counters.add("corrupt", len(keys))
-        for key, reason, _ in corrupt:
-            self._events.emit("corrupt", [key], reason)
+        replies = self._run(lambda client: self._delete_corrupt(client, corrupt))
+        outcomes = ([None] * len(keys) if isinstance(replies, _Failed)
+                    else [_removal(r) for r in replies])
+        for (key, reason, _), outcome in zip(corrupt, outcomes, strict=True):
+            if outcome is None:
+                self._counters.add("corrupt_kept")
+                self._warn.warning("kvtier redis tier %s: corrupt value of key %s (%s) not "
+                                   "removed (the delete was refused or failed); it stays a "
+                                   "miss", self.safe_url, key.hex(), reason)
+                continue
+            self._counters.add("corrupt")
+            if outcome == "removed":  # else the key holds a fresh copy: nothing left
+                self._events.emit("corrupt", [key], reason)
             self._warn.warning("kvtier redis tier %s: removed corrupt value of key %s: %s",
-                           self.safe_url, key.hex(), reason)
+                               self.safe_url, key.hex(), reason)
+
+    def _delete_corrupt(self, client: Any, corrupt: list[tuple[bytes, str, bytes]]) -> list[Any]:
+        """One reply per corrupt value, in order: the delete script's (1
+        deleted, 0 gone, -1 replaced by another value) or DEL's (1, 0); an
+        error instance where neither could run (counted in ``errors``)."""
+        keys = [k for k, _, _ in corrupt]
+        replies: list[Any] = [None] * len(keys)  # None: not run
+        if self._scripts_allowed:
+            replies = self._pipelined(client, keys, lambda pipe, i: pipe.eval(
+                _DELETE_IF_UNCHANGED, 1, self._rkey(keys[i]), corrupt[i][2]))
+            if any(_refused_script(r) for r in replies):
+                self._scripts_allowed = False
+        # DEL where the script did not run (not allowed, refused, or failed)
+        left = [i for i, r in enumerate(replies) if r is None or isinstance(r, BaseException)]
+        if left:
+            deleted = self._pipelined(client, [keys[i] for i in left],
+                                      lambda pipe, j: pipe.delete(self._rkey(keys[left[j]])))
+            for i, reply in zip(left, deleted, strict=True):
+                replies[i] = reply
+        self._counters.add("errors", sum(isinstance(r, BaseException) for r in replies))
+        return replies
 
     def _batches(self, sizes: list[int]) -> Iterator[tuple[int, int]]:
         """``(start, end)`` of consecutive pipelines over blocks of ``sizes``
@@ -720,9 +763,21 @@ def _check_connection_options(client: Any) -> None:
 
 
 _DELETE_IF_UNCHANGED = (
-    "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end "
+    "local v = redis.call('GET', KEYS[1]) "
+    "if v == ARGV[1] then return redis.call('DEL', KEYS[1]) end "
+    "if v then return -1 end "
     "return 0")
-"""Deletes KEYS[1] only while it still holds ARGV[1] (the corrupt value read)."""
+"""Deletes KEYS[1] only while it still holds ARGV[1] (the corrupt value read):
+1 deleted, 0 the key is gone, -1 it holds another value (a fresh copy)."""
+
+
+def _removal(reply: object) -> str | None:
+    """What became of a corrupt value, from its delete's reply: ``"removed"``
+    (deleted here, or the key is gone), ``"replaced"`` (the key holds another
+    value), or None (not removed: the delete was refused or failed)."""
+    if isinstance(reply, BaseException) or not isinstance(reply, int):
+        return None
+    return "replaced" if reply < 0 else "removed"
 
 
 def _refused_script(reply: object) -> bool:

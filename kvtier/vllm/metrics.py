@@ -53,6 +53,8 @@ PER_TIER_COUNTERS = {
     "stores": "Blocks written to this tier.",
     "dropped_stores": "Blocks this tier dropped (no room, ENOSPC, server down).",
     "corrupt": "Values that failed their checksum or header check and were removed.",
+    "corrupt_kept": "Values that failed their check but stayed (Redis: the delete was "
+                    "refused or failed); misses, counted again at each read.",
     "evictions": "Blocks this tier evicted itself (disk; Redis evicts server-side).",
     "errors": "I/O or server failures.",
     "lookup_timeouts": "Disk lookups of blocks other engines wrote that got no answer "
