@@ -199,21 +199,36 @@ class FixedFront:
     """The engine with ``concurrency`` requests in flight (see the module doc).
 
     A request starts on its engine hit, takes the blocks of its whole sequence
-    (prompt and decode), asks the connector, offers its prompt; the oldest
-    running requests finish first when it needs their blocks or slot, and the
-    connector hears of those finishes after the new request's calls (vLLM tells
-    it in the next step's ``build_connector_meta``). Memory: the pool's and
-    ``concurrency`` request ids.
+    (prompt and decode) and asks the connector; then its prefill runs in steps
+    of at most ``batch_tokens`` tokens (chunked prefill), each step offering
+    the prompt blocks it completed, then it decodes (one step per output token
+    but the last, each retrying an offer kvtier refused, as vLLM does at every
+    step a request is scheduled in). With kvtier hits the load takes a step of
+    its own first (vLLM's loads are asynchronous: the request computes nothing
+    until its load is done), so its offers come after the load completed.
+
+    The oldest running requests finish first when the new request needs their
+    slot or their blocks. A request that gave up its slot finished before the
+    new one arrived: vLLM steps again right after a request finishes
+    (``Scheduler.has_requests`` counts finished requests) and that step's
+    ``build_connector_meta`` tells the connector, so kvtier hears of it before
+    the new request's lookup. One that gave up its blocks finished while the
+    new request waited for them: the connector hears of it in the step that
+    admits the new request, after its lookup, load and first offer. Memory:
+    the pool's and ``concurrency`` request ids.
     """
 
     def __init__(self, cache: GpuPrefixCache, block_tokens: int, connector: Connector,
-                 concurrency: int = 1) -> None:
-        if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
-            raise ValueError(f"concurrency must be an int >= 1, got {concurrency!r}")
+                 concurrency: int = 1,
+                 batch_tokens: int = CPU_MAX_NUM_BATCHED_TOKENS) -> None:
+        for name, value in (("concurrency", concurrency), ("batch_tokens", batch_tokens)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         self.cache = cache
         self.block_tokens = block_tokens
         self.connector = connector
         self.concurrency = concurrency
+        self.batch_tokens = batch_tokens
         self.counts = EngineCounts()
         self._running: deque[_Req] = deque()
 
@@ -221,21 +236,20 @@ class FixedFront:
         """Serve ``requests`` in order; return the counts."""
         for r in _new_reqs(requests):
             self.admit(r)
-        self.connector.build_meta([], [r.index for r in self._drain()])
-        self.connector.step_end()
+        self._step([], [r.index for r in self._drain()])
         return self.counts
 
     def admit(self, r: _Req) -> None:
         """Start ``r``, finishing the oldest running requests first as needed."""
         cache, bt, running, counts = self.cache, self.block_tokens, self._running, self.counts
-        finished = []
         if len(running) >= self.concurrency:
-            finished.append(self._finish_oldest())
+            self._step([], [self._finish_oldest().index])  # heard of before r arrives
         prompt = r.req.prompt_tokens
         hits = cache.match(r.keys, (prompt - 1) // bt)  # finishing frees, uncaches nothing
         total = cdiv(prompt + r.req.output_tokens - 1, bt)
+        finished = []  # r waited for their blocks: heard of in the step admitting r
         while running and cache.admission_cost(r.keys, hits, total) > cache.free_blocks:
-            finished.append(self._finish_oldest())
+            finished.append(self._finish_oldest().index)
         cache.start(r.name, r.keys, hits)
         cache.grow(r.name, total)
         cache.commit(r.name, r.keys[: prompt // bt])
@@ -246,7 +260,21 @@ class FixedFront:
         counts.max_running = max(counts.max_running, len(running))
         kv_hits = self.connector.get_num_new_matched(r.index, hits)
         self.connector.update_state_after_alloc(r.index, hits, kv_hits, prompt, False)
-        self.connector.build_meta([(r.index, prompt)], [f.index for f in finished])
+        computed = hits * bt
+        if kv_hits:  # the load's step: r is not scheduled in it, so offers nothing
+            self._step([], finished)
+            finished = []
+            computed = min((hits + kv_hits) * bt, prompt - 1)  # a full hit recomputes one token
+        while computed < prompt:
+            computed = min(prompt, computed + self.batch_tokens)
+            self._step([(r.index, computed)], finished)
+            finished = []
+        for _ in range(r.req.output_tokens - 1):  # decode steps retry a refused offer
+            self._step([(r.index, prompt)], [])
+
+    def _step(self, scheduled: Sequence[tuple[int, int]], finished: Sequence[int]) -> None:
+        """One engine step as the connector sees it: offers, finishes, completions."""
+        self.connector.build_meta(scheduled, finished)
         self.connector.step_end()
 
     def _drain(self) -> list[_Req]:
