@@ -27,9 +27,10 @@ class RequestContext:
       request (its per-tier admission, ``kvtier.tiers.cascade``);
     * ``first_asked``: the first key it looked up (None before any lookup): the
       keys ahead of it were served by a cache in front, such as the engine's;
-    * ``last_miss``: the key at which its last counted lookup missed, so that a
-      request asking again for the same blocks while it waits is not counted
-      again in the manager's hits and misses;
+    * ``missed_at``: the keys at which its counted lookups missed (a lookup's
+      first missing key), so that a request asking again for the same blocks
+      while it waits is not counted again in the manager's misses, whatever
+      order it asks them in;
     * ``leased``: keys leased to it by ``lookup`` (at most the manager's
       ``max_leases_per_request``); ``loading``: keys pinned by its loads, with
       counts; ``writing``: keys it was granted for storing and has not completed;
@@ -54,7 +55,7 @@ class RequestContext:
         "skipped",
         "ghost_checked",
         "first_asked",
-        "last_miss",
+        "missed_at",
         "leased",
         "loading",
         "writing",
@@ -78,7 +79,7 @@ class RequestContext:
         self.skipped: set[bytes] = set()
         self.ghost_checked: set[bytes] = set()
         self.first_asked: bytes | None = None
-        self.last_miss: bytes | None = None
+        self.missed_at: set[bytes] = set()
         self.leased: set[bytes] = set()
         self.loading: dict[bytes, int] = {}
         self.writing: set[bytes] = set()
@@ -163,7 +164,7 @@ class RequestContext:
         self.skipped.clear()
         self.ghost_checked.clear()
         self.first_asked = None
-        self.last_miss = None
+        self.missed_at.clear()
         self.leased.clear()
 
     def __repr__(self) -> str:

@@ -93,7 +93,7 @@ class ManagerMachine(RuleBasedStateMachine):
         self.writing: set[bytes] = set()
         self.pins: Counter[bytes] = Counter()
         self.leased: list[set[bytes]] = [set() for _ in range(N_REQUESTS)]
-        self.last_miss: list[bytes | None] = [None] * N_REQUESTS
+        self.missed_at: list[set[bytes]] = [set() for _ in range(N_REQUESTS)]
         self.counted: list[set[bytes]] = [set() for _ in range(N_REQUESTS)]
         self.skipped: list[set[bytes]] = [set() for _ in range(N_REQUESTS)]
         self.owed_loads: list[list[tuple[bytes, int]]] = [[] for _ in range(N_REQUESTS)]
@@ -165,11 +165,11 @@ class ManagerMachine(RuleBasedStateMachine):
             self._count_misses(i, k, 1)
 
     def _count_misses(self, i: int, first_missed: bytes, misses: int) -> None:
-        """Misses count unless the request's last counted lookup missed at the
-        same key (a waiting request asking again)."""
-        if first_missed != self.last_miss[i]:
+        """Misses count unless a counted lookup of the request missed at the
+        same key before (a waiting request asking again)."""
+        if first_missed not in self.missed_at[i]:
             self.counters["misses"] += misses
-            self.last_miss[i] = first_missed
+            self.missed_at[i].add(first_missed)
 
     def _lookup(self, i: int, ks: list[bytes]) -> int:
         n = self.mgr.lookup(ks, self.ctxs[i])
@@ -375,7 +375,7 @@ class ManagerMachine(RuleBasedStateMachine):
         self.mgr.on_request_finished(ctx)
         self._positions(ctx)
         self.leased[i].clear()
-        self.last_miss[i] = None
+        self.missed_at[i].clear()
         self.counted[i].clear()
         self.skipped[i].clear()
         self.last_offer[i] = None
@@ -395,9 +395,8 @@ class ManagerMachine(RuleBasedStateMachine):
         self.slot.clear()
         self.writing.clear()
         self.pins.clear()
-        for s in (*self.leased, *self.counted, *self.skipped):
+        for s in (*self.leased, *self.counted, *self.skipped, *self.missed_at):
             s.clear()
-        self.last_miss = [None] * N_REQUESTS
 
     @invariant()
     def events_match(self) -> None:

@@ -239,8 +239,19 @@ class RankedTier(Tier):
         return out
 
     def take_events(self) -> list[TierEvent]:
-        """The block events since the last call (class doc)."""
-        self._settle_events()
+        """The block events since the last call (class doc).
+
+        vLLM's scheduler calls this every step on its own thread. An I/O
+        thread's ``put`` holds the events lock for as long as its ranks take
+        (up to their timeouts on a hung server), so when the lock is taken
+        this returns the events settled so far without waiting: the put
+        settles the ranks' events itself, and they come with a later call.
+        """
+        if self._events_lock.acquire(blocking=False):
+            try:
+                self._settle_events()
+            finally:
+                self._events_lock.release()
         return self._events.take()
 
     def _settle_events(self, fresh: set[bytes] | None = None) -> set[bytes]:
