@@ -1,4 +1,5 @@
-"""Review of the operator tools (``kvtier disk ...``): faults found, each shown by
+"""Review of the operator tools (``kvtier disk ...``) and the long-running tools
+(soak, foresight, the serving benchmark's summary): faults found, each shown by
 a test that failed on the code before its fix (see each test's comment)."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import json
 import os
 import re
 import threading
+import tracemalloc
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -17,7 +19,12 @@ import pytest
 from test_tools import NS_A, NS_B, block_path, cache, dead_pid, files_under, run
 
 from kvtier import block_key
+from kvtier.bench import serving
+from kvtier.cli import main
 from kvtier.file_locks import is_locked
+from kvtier.replay.foresight import WindowLFU, use_times
+from kvtier.replay.reference import prefix_hit_ratio
+from kvtier.replay.soak import Sample, SoakConfig, run_soak
 from kvtier.tiers import DiskTier
 from kvtier.tiers.blockfile import CorruptBlockError
 from kvtier.tiers.disk_dir import LAYOUT_DIR
@@ -232,3 +239,146 @@ def test_purge_stopped_by_an_unreadable_directory_says_what_it_removed(
     assert not [p for p in files_under(cache) if first in str(p)]
     found = re.search(r"before it stopped, removed (\d+) blocks", out)
     assert found and int(found.group(1)) >= counts[first], out
+
+
+# ================================================================ long-running tools
+# Faults found reviewing the soak, foresight and the serving benchmark's
+# summary: each test names what a reported figure, message or output got wrong.
+# Real parts (a real soak through the manager and a disk tier).
+
+
+# ------------------------------------------------------------------ the soak
+
+
+def test_the_soaks_own_samples_do_not_count_as_growth_after_warm_up(tmp_path: Path) -> None:
+    """The soak's headline figure is the resident set's growth after warm-up.
+    It kept every sample as two dicts of every structure's name (new key
+    strings each time: about 6 KB a sample under tracemalloc, 10 KB in RSS),
+    so its own history grew linearly and was reported as the library's
+    growth: 20,000 requests sampled every 2 showed 73 MiB of growth against 16
+    MiB sampled every 200. Here the Python memory traced after warm-up must
+    stay flat while a sample is taken after every request, and every sample
+    kept must be the one reported as it was taken."""
+    config = SoakConfig(requests=1_200, cpu_blocks=64, disk_blocks=128, redis=False,
+                        sample_every=1, kinds=("chat", "shared"), chunk=200,
+                        max_tracker_size=512, eviction_history_size=256, max_events=256,
+                        max_failed=64, workdir=str(tmp_path))
+    traced: list[tuple[int, int]] = []
+    seen: dict[int, Sample] = {}  # a few only: keeping all would grow this test's memory
+
+    def on_sample(sample: Sample) -> None:
+        traced.append((sample.requests, tracemalloc.get_traced_memory()[0]))
+        if sample.requests % 300 == 0:
+            seen[sample.requests] = sample
+
+    tracemalloc.start()
+    try:
+        result = run_soak(config, on_sample=on_sample)
+    finally:
+        tracemalloc.stop()
+    warm = next(memory for requests, memory in traced if requests >= config.requests // 4)
+    growth = traced[-1][1] - warm
+    # the old history: ~900 samples x ~6 KB after warm-up; the library's own
+    # structures are full (and bounded) by then
+    assert growth < 2 << 20, f"{growth / 2**20:.1f} MiB traced growth after warm-up"
+    assert len(result.samples) == config.requests + 1 and len(seen) == 4
+    assert all(result.samples[n] == sample for n, sample in seen.items())
+    assert [s.requests for s in result.samples] == list(range(config.requests + 1))
+    assert result.samples[-1].counters["verify_failures"] == 0
+    assert result.summary()["violations"] == []
+
+
+def _soak_cli(*flags: str) -> list[str]:
+    return ["soak", "--cpu-blocks", "16", "--disk-blocks", "0", "--no-redis",
+            "--no-progress", *flags]
+
+
+def test_the_soak_names_the_flag_of_a_bad_sample_every(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Too many samples was reported as "raise sample_every to at least 200":
+    the config field, not the ``--sample-every`` flag the user gave."""
+    assert main(_soak_cli("--requests", "2000000", "--sample-every", "100")) == 2
+    err = capsys.readouterr().err
+    assert "--sample-every 100" in err and "--sample-every 200 or more" in err, err
+
+
+def test_the_soak_takes_at_most_100_samples_by_default(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """README: "A soak prints a header and one line per sample (100 in all)".
+    The default interval was ``requests // 100`` rounded down: 150 requests
+    took a sample after every request (150 lines), 1,000,050 took 101."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    assert main(_soak_cli("--requests", "150", "--json")) == 0
+    lines = capsys.readouterr().out.splitlines()
+    samples = [json.loads(line) for line in lines if '"rss_bytes"' in line]
+    assert 1 < len(samples) <= 100, len(samples)
+    assert samples[-1]["requests"] == 150
+
+
+# ------------------------------------------------------------------ foresight
+
+
+def test_foresight_stores_a_block_repeated_in_a_request_once() -> None:
+    """``RankedCache.serve`` counted a hash id repeated in one request as two
+    blocks to store: it evicted a resident block for the copy and left its
+    slot empty (``LRUCache`` dedups). Capacity 2, the oracle ranking: request
+    [3, 3] evicted both 1 and 2, so the later [3, 1] missed block 1."""
+    requests = [[1, 2], [3, 3], [3], [3, 1]]
+    cache = WindowLFU(2, 10, use_times(requests), future=True)
+    # hits: [3] 1, [3, 1] 2, of 7 offered
+    assert prefix_hit_ratio(requests, cache) == pytest.approx(3 / 7)
+    assert len(cache.last) == 2
+
+
+# ------------------------------------------------------------ purge interrupted
+def test_an_interrupted_purge_says_what_it_removed(
+    cache: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Fault: a Ctrl-C during `kvtier disk purge` exited 130 without a word: the
+    # blocks removed until then are gone for good and the operator was not told
+    # how many (a directory it cannot read is reported with the count, test
+    # above). Ctrl-C is raised at the fourth file removed: a terminal cannot
+    # deliver it there on demand.
+    unlink = disk_admin._unlink
+    calls = [0]
+
+    def interrupted(path: str, summary: Any) -> bool:
+        calls[0] += 1
+        if calls[0] == 4:
+            raise KeyboardInterrupt
+        return unlink(path, summary)
+
+    monkeypatch.setattr(disk_admin, "_unlink", interrupted)
+    code, out, err = run(capsys, "disk", "purge", str(cache), "--yes")
+    assert code == 130, (code, out, err)
+    assert "before it was interrupted, removed 3 blocks" in out, out
+    assert "purge interrupted" in err
+    assert len([p for p in files_under(cache) if p.suffix == ".kvb"]) == 9 - 3
+
+
+# ------------------------------------------------------------------ bench serve summary
+
+
+def _run(config: str, cpu_blocks: int, repeat: int, throughput: float) -> serving.RunResult:
+    return serving.RunResult(
+        config=config, traffic="bundled", regime="paced", cpu_blocks=cpu_blocks,
+        repeat=repeat, completed=10, failed=0, throughput=throughput, ttft_mean_ms=100.0,
+        ttft_p50_ms=90.0, ttft_p99_ms=200.0, ttft_max_ms=250.0, hit_ratio=0.1,
+        external_queries=100.0, external_hits=10.0)
+
+
+def test_summarizing_one_cpu_size_keeps_the_no_offloading_baseline(tmp_path: Path) -> None:
+    """No offloading runs once per repeat, recorded under the first CPU-tier
+    size (``plan``). ``--summarize --cpu-blocks 4000`` (README: sizes may be
+    chosen) looked for it under 4000 only: the ``none`` row vanished and every
+    ``thr/none`` read "-", as if it had never run."""
+    results = [_run("none", 1000, r, 4.0) for r in range(2)]
+    results += [_run("lru", size, r, 2.0) for size in (1000, 4000) for r in range(2)]
+    settings = serving.BenchSettings(
+        model=tmp_path / "model", out=tmp_path / "out", configs=("none", "lru"),
+        traffic=("bundled",), regimes=("paced",), cpu_blocks=(4000,), repeats=2)
+    rows = {r.config: r for r in serving.summarize(results, settings)}
+    assert set(rows) == {"none", "lru"}
+    assert rows["none"].cpu_blocks == 4000 and rows["none"].repeats == 2
+    assert rows["lru"].throughput_vs_none == pytest.approx(0.5)

@@ -662,11 +662,15 @@ def _vs(medians: dict[str, Any], reference: dict[str, Any] | None, name: str) ->
 
 def summarize(results: Sequence[RunResult], s: BenchSettings) -> list[Row]:
     """One row per scenario and configuration (no offloading repeated in each
-    size's scenario so that ratios compare runs of the same traffic)."""
+    size's scenario so that ratios compare runs of the same traffic).
+
+    No offloading has no CPU tier: its runs count in every size's scenario,
+    whichever size they were recorded under (``plan`` runs it as the first
+    size's; ``--summarize --cpu-blocks`` may choose another size only)."""
     def runs(config: str, sc: Scenario) -> list[RunResult]:
-        size = s.cpu_blocks[0] if config == BASELINE else sc.cpu_blocks
-        return [r for r in results if (r.config, r.traffic, r.regime, r.cpu_blocks)
-                == (config, sc.traffic, sc.regime, size)]
+        return [r for r in results if (r.config, r.traffic, r.regime) == (
+            config, sc.traffic, sc.regime) and (config == BASELINE
+                                                or r.cpu_blocks == sc.cpu_blocks)]
 
     rows = []
     for sc in scenarios(s):

@@ -85,7 +85,9 @@ class RankedCache:
     def serve(self, ids: Sequence[int]) -> None:
         """Store what the ranking admits of the request's missing blocks, then use them."""
         last = self.last
-        missing = [h for h in ids if h not in last]
+        # each block once: a hash id repeated in a request is one block to store
+        # (as LRUCache), not one more eviction
+        missing = list(dict.fromkeys(h for h in ids if h not in last))
         room = self.capacity - len(last)
         if len(missing) > room:
             missing = missing[:room + self._replace(missing[room:], set(ids))]

@@ -28,10 +28,12 @@ from __future__ import annotations
 import os
 import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
+
+import numpy as np
 
 from kvtier.leases import DEFAULT_MAX_LEASE_HOLDERS, DEFAULT_MAX_LEASES_PER_REQUEST
 from kvtier.manager import OffloadManager
@@ -117,12 +119,98 @@ class Sample:
         return asdict(self)
 
 
+class SampleLog(Sequence[Sample]):
+    """The samples of a run, kept in columns allocated (and written, so that
+    their pages are resident) before the first RSS reading: keeping a sample
+    does not grow the resident set the soak measures, whose growth after
+    warm-up would otherwise include its own history (a dict of every name per
+    sample, about 10 KB each: 100 MB at ``MAX_SAMPLES``).
+
+    The columns are the names of the first sample (``reserve``); a name first
+    seen later is kept beside its row. Memory: ``rows`` x (names + 2) x 8
+    bytes, plus the late names.
+    """
+
+    _ABSENT = np.iinfo(np.int64).min
+    """A name the sample did not have (``Sample.sizes`` keeps only those it had)."""
+
+    def __init__(self, rows: int) -> None:
+        self._rows = rows
+        self._len = 0
+        self._size_names: tuple[str, ...] = ()
+        self._counter_names: tuple[str, ...] = ()
+        self._ints = np.empty((0, 0), dtype=np.int64)
+        self._seconds = np.empty(0)
+        self._late: dict[int, tuple[dict[str, int], dict[str, int]]] = {}
+
+    def reserve(self, sizes: Mapping[str, int], counters: Mapping[str, int]) -> None:
+        """Allocate the columns for the names of ``sizes`` and ``counters``
+        (the first sample's), once."""
+        if self._ints.size:
+            return
+        self._size_names, self._counter_names = tuple(sizes), tuple(counters)
+        columns = 2 + len(self._size_names) + len(self._counter_names)
+        self._ints = np.full((self._rows, columns), self._ABSENT, dtype=np.int64)
+        self._seconds = np.full(self._rows, 0.0)
+
+    def append(self, sample: Sample) -> None:
+        """Keep ``sample``; ``IndexError`` past the ``rows`` reserved."""
+        if self._len >= self._rows:
+            raise IndexError(f"the soak's sample log holds {self._rows} samples")
+        self.reserve(sample.sizes, sample.counters)
+        row = self._ints[self._len]
+        row[0], row[1] = sample.requests, sample.rss_bytes
+        self._seconds[self._len] = sample.seconds
+        late: tuple[dict[str, int], dict[str, int]] = ({}, {})
+        for values, names, start, extra in (
+                (sample.sizes, self._size_names, 2, late[0]),
+                (sample.counters, self._counter_names, 2 + len(self._size_names), late[1])):
+            for i, name in enumerate(names):
+                row[start + i] = values.get(name, self._ABSENT)
+            extra.update((n, v) for n, v in values.items() if n not in names)
+        if late[0] or late[1]:
+            self._late[self._len] = late
+        self._len += 1
+
+    def __len__(self) -> int:
+        return self._len
+
+    @overload
+    def __getitem__(self, index: int) -> Sample: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[Sample]: ...
+
+    def __getitem__(self, index: int | slice) -> Sample | list[Sample]:
+        if isinstance(index, slice):
+            return [self._sample(i) for i in range(*index.indices(self._len))]
+        if index < 0:
+            index += self._len
+        if not 0 <= index < self._len:
+            raise IndexError("sample index out of range")
+        return self._sample(index)
+
+    def __iter__(self) -> Iterator[Sample]:
+        return (self._sample(i) for i in range(self._len))
+
+    def _sample(self, i: int) -> Sample:
+        row = self._ints[i].tolist()
+        start = 2 + len(self._size_names)
+        sizes = {n: v for n, v in zip(self._size_names, row[2:start], strict=True)
+                 if v != self._ABSENT}
+        counters = {n: v for n, v in zip(self._counter_names, row[start:], strict=True)
+                    if v != self._ABSENT}
+        late_sizes, late_counters = self._late.get(i, ({}, {}))
+        return Sample(row[0], float(self._seconds[i]), row[1], {**sizes, **late_sizes},
+                      {**counters, **late_counters})
+
+
 @dataclass(slots=True)
 class SoakResult:
     """The samples of a run and its bounds; :meth:`summary` sums it up."""
 
     config: SoakConfig
-    samples: list[Sample] = field(default_factory=list)
+    samples: SampleLog = field(default_factory=lambda: SampleLog(0))
     bounds: dict[str, int] = field(default_factory=dict)
 
     def rss_growth_after_warmup(self) -> int:
@@ -135,7 +223,7 @@ class SoakResult:
 
     def summary(self) -> dict[str, Any]:
         last = self.samples[-1]
-        peak = {name: max(s.sizes.get(name, 0) for s in self.samples) for name in self.bounds}
+        peak = peaks(self.samples, self.bounds)
         return {
             "requests": last.requests, "seconds": round(last.seconds, 1),
             "requests_per_s": round(last.requests / last.seconds, 1) if last.seconds else 0.0,
@@ -147,6 +235,12 @@ class SoakResult:
             "peak_fill": {n: round(peak[n] / b, 3) for n, b in self.bounds.items() if b},
             "counters": last.counters,
         }
+
+
+def sample_rows(config: SoakConfig) -> int:
+    """Samples a run of ``config`` takes: at 0 requests, every ``sample_every``
+    and at the end."""
+    return config.requests // config.sample_every + 2
 
 
 def rss_bytes() -> int:
@@ -215,7 +309,19 @@ def _policy_bounds(name: str, cpu: int, longest: int) -> dict[str, int]:
     return {"manager.policy.resident": cpu}
 
 
-def violations(samples: list[Sample], limits: Mapping[str, int]) -> list[str]:
+def peaks(samples: Sequence[Sample], names: Iterable[str]) -> dict[str, int]:
+    """The largest value of each of ``names`` over ``samples`` (0 when never sampled),
+    in one pass over the samples."""
+    out = dict.fromkeys(names, 0)
+    for sample in samples:
+        for name, peak in out.items():
+            value = sample.sizes.get(name, 0)
+            if value > peak:
+                out[name] = value
+    return out
+
+
+def violations(samples: Sequence[Sample], limits: Mapping[str, int]) -> list[str]:
     """``"name=value > bound at N requests"`` for each entry above its bound
     (the first time only)."""
     out: list[str] = []
@@ -232,8 +338,10 @@ def violations(samples: list[Sample], limits: Mapping[str, int]) -> list[str]:
 class _Run:
     """The soak's moving parts for one run (see the module docstring)."""
 
-    def __init__(self, config: SoakConfig, replayer: Replayer, mix: TrafficMix) -> None:
+    def __init__(self, config: SoakConfig, replayer: Replayer, mix: TrafficMix,
+                 log: SampleLog) -> None:
         self.config = config
+        self.log = log
         self.replayer = replayer
         self.mix = mix
         self.longest = 0
@@ -249,7 +357,8 @@ class _Run:
         # what a finished request's context still holds (cleared at finish)
         self.leftover = (len(ctx.access_log) + len(ctx.inserted) + len(ctx.reused)
                          + len(ctx.counted) + len(ctx.tier_counted) + len(ctx.skipped)
-                         + len(ctx.ghost_checked) + len(ctx.leased) + len(ctx.positions))
+                         + len(ctx.ghost_checked) + len(ctx.missed_at) + len(ctx.leased)
+                         + len(ctx.positions))
 
     def sample(self, served: int) -> Sample:
         cascade = self.replayer.cascade
@@ -266,7 +375,10 @@ class _Run:
         counters["verify_failures"] = self.replayer.verify_failures
         counters["cpu_hit_blocks"] = self.replayer.cpu_hits
         counters["tier_hit_blocks"] = self.replayer.disk_hits
-        return Sample(served, time.monotonic() - self.start, rss_bytes(), sizes, counters)
+        self.log.reserve(sizes, counters)  # before the first RSS reading: see SampleLog
+        sample = Sample(served, time.monotonic() - self.start, rss_bytes(), sizes, counters)
+        self.log.append(sample)
+        return sample
 
 
 def run_soak(config: SoakConfig, on_sample: Callable[[Sample], None] | None = None,
@@ -279,7 +391,7 @@ def run_soak(config: SoakConfig, on_sample: Callable[[Sample], None] | None = No
         max_tracker_size=config.max_tracker_size, enable_events=True,
         eviction_history_size=config.eviction_history_size, max_events=config.max_events)
     mix = TrafficMix(config.kinds, config.seed, config.chunk)
-    result = SoakResult(config)
+    result = SoakResult(config, SampleLog(sample_rows(config)))
     with tempfile.TemporaryDirectory(prefix="kvtier-soak-", dir=config.workdir) as tmp:
         server, extra = _redis(config, Path(tmp))
         try:
@@ -290,17 +402,19 @@ def run_soak(config: SoakConfig, on_sample: Callable[[Sample], None] | None = No
                                 io_threads=IO_THREADS, max_queue=MAX_QUEUE,
                                 max_probes=config.max_probes, max_failed=config.max_failed,
                                 ) as (cascade, region):
-                run = _Run(config, Replayer(cascade, region, wait_writes=False), mix)
-                result.samples.append(run.sample(0))
+                run = _Run(config, Replayer(cascade, region, wait_writes=False), mix,
+                           result.samples)
+                run.sample(0)
+                last = 0
                 for served in range(1, config.requests + 1):
                     run.request(served)
                     if served % config.sample_every == 0 or served == config.requests:
                         sample = run.sample(served)
-                        result.samples.append(sample)
                         if on_sample is not None:
                             on_sample(sample)
                         if progress is not None:
-                            progress(served - result.samples[-2].requests)
+                            progress(served - last)
+                        last = served
                 result.bounds = bounds(config, run.longest)
         finally:
             if server is not None:

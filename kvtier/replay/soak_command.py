@@ -16,6 +16,8 @@ SHOWN = ("manager.table", "manager.tracker_size", "manager.history_size", "manag
          "cascade.uses", "cascade.tiers.disk.index", "cascade.probes.redis.known",
          "cascade.queued_writes")
 """Sizes printed per sample without ``--json`` (all are in the JSON)."""
+SAMPLES = 100
+"""Samples of a run without ``--sample-every`` (the last one at the end)."""
 
 
 def add_soak_parser(commands: Any) -> None:
@@ -40,7 +42,7 @@ def add_soak_parser(commands: Any) -> None:
     p.add_argument("--kinds", default=",".join(DEFAULT_KINDS), metavar="K[,K...]",
                    help=f"workload kinds mixed (default {','.join(DEFAULT_KINDS)})")
     p.add_argument("--sample-every", type=positive_int, default=None, metavar="N",
-                   help="requests between samples (default: 100 samples)")
+                   help="requests between samples (default: at most 100 samples)")
     p.add_argument("--seed", type=int, default=0,
                    help="seed of the generated traffic mix (default 0)")
     p.add_argument("--json", action="store_true",
@@ -61,7 +63,9 @@ def cmd_soak(args: argparse.Namespace) -> int:
     if args.no_redis and args.redis_maxmemory is not None:
         raise CommandError("--redis-maxmemory sizes the Redis tier that --no-redis leaves out")
     kinds = tuple(k.strip() for k in args.kinds.split(",") if k.strip())
-    every = args.sample_every or max(1, args.requests // 100)
+    _check_flags(args, kinds)
+    # rounded up: 100 samples at most (a remainder adds the last one, at the end)
+    every = args.sample_every or -(-args.requests // SAMPLES)
     config = SoakConfig(requests=args.requests, cpu_blocks=args.cpu_blocks,
                         disk_blocks=args.disk_blocks, redis=not args.no_redis,
                         redis_maxmemory=args.redis_maxmemory or DEFAULT_REDIS_MAXMEMORY,
@@ -111,6 +115,28 @@ def cmd_soak(args: argparse.Namespace) -> int:
             raise CommandError(str(exc)) from None
         print(f"{PROG}: wrote plot {plot}")
     return 1 if summary["violations"] else 0
+
+
+def _check_flags(args: argparse.Namespace, kinds: tuple[str, ...]) -> None:
+    """``CommandError`` naming the flag of a bad ``--policy``, ``--kinds`` or
+    ``--sample-every`` (``SoakConfig.check`` names its fields, not the flags)."""
+    from kvtier.policies import policy_class
+    from kvtier.replay.mix import TrafficMix
+    from kvtier.replay.soak import MAX_SAMPLES
+
+    try:
+        policy_class(args.policy)
+    except ValueError as exc:
+        raise CommandError(f"--policy: {exc}") from None
+    try:
+        TrafficMix(kinds, args.seed)
+    except ValueError as exc:
+        raise CommandError(f"--kinds: {exc}") from None
+    every = args.sample_every
+    if every is not None and args.requests / every > MAX_SAMPLES:
+        raise CommandError(f"--sample-every {every}: {args.requests:,} requests would take "
+                           f"more than {MAX_SAMPLES:,} samples; give --sample-every "
+                           f"{-(-args.requests // MAX_SAMPLES)} or more")
 
 
 def _plot_path(text: str | None) -> Path | None:

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
         DiskReport,
         NamespaceReport,
         Namespaces,
+        PurgeSummary,
         VerifySummary,
     )
     from kvtier.tools.redis_admin import RedisReport
@@ -247,13 +248,14 @@ def cmd_disk_purge(args: argparse.Namespace) -> int:
     if not args.yes and not _call(_confirm_purge, root, selected):
         print(f"{PROG}: purge cancelled, nothing removed", file=sys.stderr)
         return 1
-    s = _call(disk_admin.purge_disk, selected)
-    print(f"{'before it stopped, ' if s.stopped else ''}"
-          f"removed {plural(s.blocks, 'block')} ({human_bytes(s.bytes)}), "
-          f"{plural(s.temp_files, 'temp file')} and {plural(s.manifests, 'manifest')} "
-          f"from {plural(s.namespaces, 'namespace')}; "
-          f"{plural(s.namespace_dirs_removed, 'namespace directory', 'namespace directories')}"
-          " removed")
+    s = disk_admin.PurgeSummary()
+    try:
+        _call(disk_admin.purge_disk, selected, s)
+    except KeyboardInterrupt:  # blocks are gone for good: say which before exiting
+        print(f"{PROG}: purge interrupted", file=sys.stderr)
+        print(_purged(s, "before it was interrupted, "))
+        raise
+    print(_purged(s, "before it stopped, " if s.stopped else ""))
     if s.temp_in_use:
         print(f"left alone: {plural(s.temp_in_use, 'temp file')} of "
               f"{'a running writer' if s.temp_in_use == 1 else 'running writers'}")
@@ -266,6 +268,15 @@ def cmd_disk_purge(args: argparse.Namespace) -> int:
     if s.stopped is not None:  # what was removed is printed above; then the error
         raise CommandError(f"purge stopped part way: {s.stopped}")
     return 1 if s.failed else 0
+
+
+def _purged(s: PurgeSummary, prefix: str) -> str:
+    """The line saying what a purge removed."""
+    return (f"{prefix}removed {plural(s.blocks, 'block')} ({human_bytes(s.bytes)}), "
+            f"{plural(s.temp_files, 'temp file')} and {plural(s.manifests, 'manifest')} "
+            f"from {plural(s.namespaces, 'namespace')}; "
+            f"{plural(s.namespace_dirs_removed, 'namespace directory', 'namespace directories')}"
+            " removed")
 
 
 def _confirm_purge(root: Path, selected: Namespaces) -> bool:

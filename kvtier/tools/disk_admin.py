@@ -404,12 +404,16 @@ class PurgeSummary:
         return dict(self.__dict__)
 
 
-def purge_disk(selected: Namespaces) -> PurgeSummary:
+def purge_disk(selected: Namespaces, summary: PurgeSummary | None = None) -> PurgeSummary:
     """Remove kvtier's files of ``selected``: block files, temp files (but those
     of running writers), manifests, then the fan-out and namespace directories
     that are empty. Nothing else. A directory it cannot read stops it
-    (``stopped``), with what it removed until then counted."""
-    summary = PurgeSummary(namespaces=len(selected))
+    (``stopped``), with what it removed until then counted. The counts go to
+    ``summary`` as files go, so that a caller interrupted meanwhile (Ctrl-C)
+    can still tell what was removed."""
+    if summary is None:
+        summary = PurgeSummary()
+    summary.namespaces = len(selected)
     for _, ns_dir in selected:
         try:
             _purge_namespace(ns_dir, summary)
