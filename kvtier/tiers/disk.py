@@ -11,6 +11,10 @@ Capacity: ``capacity_bytes`` bounds the bytes of block files (each rounded up to
 room. Independently, a store never lets the file system's free space drop
 below ``free_reserve_bytes``: it evicts this tier's own blocks to stay above it,
 and otherwise drops the store; ENOSPC/EDQUOT while writing is a dropped store.
+Stores reserve their room one at a time, each counting the writes in flight,
+so writer threads keep the reserve together; engines sharing a file system
+each keep it for their own writes (two writing at one moment may each take the
+last room).
 
 Warm restart: a new process scans the directory (names give the keys; one
 ``stat`` per file for size and mtime; about 1 s per 100k files on a warm
@@ -26,7 +30,7 @@ for at most ``lookup_timeout_s``, so a lost mount cannot stall the scheduler:
 :mod:`kvtier.tiers.disk_lookups`), reads refresh a file's mtime (shared recency), and every
 ``rescan_interval_s`` a store rescans the directory, so the bytes of all
 engines together stay within ``capacity_bytes`` plus what the others wrote
-since the last rescan; the free-space reserve holds at all times.
+since the last rescan; each engine keeps the free-space reserve (above).
 
 Memory: the index holds at most ``capacity_bytes // 4096`` entries (about 200
 bytes each): e.g. 100k entries (20 MB) for 200 GB of 2 MiB blocks. Writes in
@@ -66,6 +70,7 @@ from kvtier.tiers.base import (
 from kvtier.tiers.blockfile import BytesLike, CorruptBlockError
 from kvtier.tiers.disk_dir import (
     ALLOC_UNIT,
+    MAX_DISK_KEY_BYTES,
     O_WRITE,
     Scanned,
     TierDirectory,
@@ -78,8 +83,6 @@ from kvtier.tiers.namespace import check_namespace
 
 logger = logging.getLogger(__name__)
 
-MAX_DISK_KEY_BYTES = 120
-"""Longest key the disk tier stores (file names are the key in hex)."""
 DEFAULT_RESERVE_FRACTION = 0.05
 DEFAULT_RESERVE_CAP = 1 << 30
 TMP_MAX_AGE_S = 600.0
@@ -216,6 +219,9 @@ class DiskTier(Tier):
         """The in-memory state: the index (rebuilt from the files), pending
         writes, a rescan's changes, counters and events."""
         self._lock = threading.Lock()
+        # Held by a store from its free-space reading to its reservation (_reserve);
+        # taken before ``_lock``, never inside it.
+        self._reserve_lock = threading.Lock()
         self._index: OrderedDict[bytes, int] = OrderedDict()  # key -> accounted bytes, LRU first
         self._indexed_bytes = 0
         self._pending: dict[bytes, int] = {}  # keys being written -> reserved bytes
@@ -261,10 +267,14 @@ class DiskTier(Tier):
     # ------------------------------------------------------------------ scan
     def _scan(self) -> list[Scanned]:
         """Every block file, oldest first; stale temp files are removed and counted."""
-        found, removed = self.dir.scan(self.tmp_max_age_s)
+        found, removed, foreign = self.dir.scan(self.tmp_max_age_s)
         if removed:
             self._counters.add("tmp_removed", removed)
             logger.info("kvtier disk tier %s: removed %d stale temp files", self.root, removed)
+        if foreign:  # not indexed: their bytes are not the tier's to account or evict
+            logger.info("kvtier disk tier %s: ignored %d block files whose names are not "
+                        "of this tier's layout (kvtier disk verify --repair removes them)",
+                        self.root, foreign)
         return found
 
     def _load_scan(self, found: list[Scanned]) -> int:
@@ -311,7 +321,12 @@ class DiskTier(Tier):
             found = self._scan()
         except BaseException:
             with self._lock:
+                # The changes recorded for this scan end with it: kept, the next
+                # scan would leave out the files of keys removed now and
+                # stored again in between, which it finds on disk.
                 self._scanning = False
+                self._scan_added = {}
+                self._scan_removed = set()
             raise
         return self._load_scan(found)
 
@@ -596,34 +611,9 @@ class DiskTier(Tier):
         if acct > self.capacity_bytes:
             self._counters.add("dropped_stores")
             return False
-        try:
-            deficit = self.free_reserve_bytes + acct - self._free_space(str(self.root))
-        except OSError as exc:
-            self._counters.add("errors")
-            self._warn.warning("kvtier disk tier: cannot read free space of %s: %s",
-                               self.root, exc)
-            deficit = 0
-        with self._lock:
-            if key in self._pending or (key in self._index and not known):
-                self._counters.add("duplicates")  # another thread stored it meanwhile
-                return None
-            self._forget_locked(key)  # known but its file is gone: rewrite it
-            victims: list[bytes] = []
-            fits = self._pending_bytes + acct <= self.capacity_bytes
-            if fits:
-                victims, freed = self._evict_locked(acct, max(deficit, 0))
-                fits = freed >= deficit and (
-                    self._indexed_bytes + self._pending_bytes + acct <= self.capacity_bytes
-                )
-            if fits:
-                self._pending[key] = acct
-                self._pending_bytes += acct
-        self._remove_victims(victims)
-        if not fits:
-            self._counters.add("dropped_stores")
-            if deficit > 0:
-                self._counters.add("no_space")
-            return False
+        reserved = self._reserve(key, acct, known)
+        if not reserved:
+            return reserved
         ok = False
         try:
             ok = self._write(key, path, view)
@@ -636,6 +626,53 @@ class DiskTier(Tier):
         if ok:
             self._counters.add("stores")
         return ok
+
+    def _reserve(self, key: bytes, acct: int, known: bool) -> bool | None:
+        """Reserve ``acct`` bytes for ``key``'s write (``_pending``), evicting
+        least recently used blocks for the capacity and the free-space reserve.
+        True: reserved; None: another thread stores the key; False: no room
+        (counted). ``known``: the key was indexed, its file found gone.
+
+        Reservations are made one at a time (``_reserve_lock``), each counting
+        the writes reserved before it that have not ended: their bytes may not
+        show in the free space yet. Read before the free space, a write that
+        ends meanwhile counts twice (a block more evicted or a store dropped),
+        never not at all; else concurrent writers would each take the same
+        last room and overrun the reserve by a block per extra thread."""
+        victims: list[bytes] = []
+        with self._reserve_lock:
+            deficit = self._free_deficit(acct + self._pending_bytes)
+            with self._lock:
+                if key in self._pending or (key in self._index and not known):
+                    self._counters.add("duplicates")  # another thread stored it meanwhile
+                    return None
+                self._forget_locked(key)  # known but its file is gone: rewrite it
+                fits = self._pending_bytes + acct <= self.capacity_bytes
+                if fits:
+                    victims, freed = self._evict_locked(acct, max(deficit, 0))
+                    fits = freed >= deficit and (
+                        self._indexed_bytes + self._pending_bytes + acct <= self.capacity_bytes
+                    )
+                if fits:
+                    self._pending[key] = acct
+                    self._pending_bytes += acct
+        self._remove_victims(victims)
+        if not fits:
+            self._counters.add("dropped_stores")
+            if deficit > 0:
+                self._counters.add("no_space")
+        return fits
+
+    def _free_deficit(self, need: int) -> int:
+        """Bytes to free so that ``need`` more bytes leave the free-space reserve
+        whole (<= 0: none); 0 when the free space cannot be read."""
+        try:
+            return self.free_reserve_bytes + need - self._free_space(str(self.root))
+        except OSError as exc:
+            self._counters.add("errors")
+            self._warn.warning("kvtier disk tier: cannot read free space of %s: %s",
+                               self.root, exc)
+            return 0
 
     def _write(self, key: bytes, path: str, view: memoryview) -> bool:
         header = blockfile.pack_header(self._ns, key, view)

@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import grp
 import json
 import logging
 import os
+import pwd
 import re
 import stat
 import time
@@ -43,6 +45,8 @@ TMP_SUFFIX = ".tmp"
 FAN_OUT = 256
 ALLOC_UNIT = 4096
 """Bytes accounted per file are rounded up to this (a file system block)."""
+MAX_DISK_KEY_BYTES = 120
+"""Longest key the disk tier stores (file names are the key in hex)."""
 _TMP_NAME = re.compile(r"\.(\d+)\.\d+\.tmp$")
 O_WRITE = (
     os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
@@ -67,6 +71,23 @@ def allocated(size: int) -> int:
 def fan_out_index(key: bytes) -> int:
     """Index of the subdirectory (named ``f"{index:02x}"``) holding ``key``'s file."""
     return xxhash.xxh3_64_intdigest(key) & (FAN_OUT - 1)
+
+
+def block_name_key(name: str) -> bytes | None:
+    """The key a block file's name stands for; None unless the name is exactly
+    the one the tier gives that key (``TierDirectory.file``: lower-case hex,
+    ``BLOCK_SUFFIX``). ``bytes.fromhex`` alone also takes upper case and
+    spaces: the tier would index such a file under a key whose file is
+    another name, and its evictions would never remove it."""
+    if not name.endswith(BLOCK_SUFFIX) or name.startswith("."):
+        return None
+    try:
+        key = bytes.fromhex(name[: -len(BLOCK_SUFFIX)])
+    except ValueError:
+        return None
+    if not 1 <= len(key) <= MAX_DISK_KEY_BYTES or f"{key.hex()}{BLOCK_SUFFIX}" != name:
+        return None
+    return key
 
 
 def is_temp_name(name: str) -> bool:
@@ -130,9 +151,11 @@ def check_tier_path(path: str | os.PathLike[str]) -> None:
 def check_owners(path: str | os.PathLike[str], _links: int = 0) -> None:
     """``TierConfigError`` when ``path``, a directory above it, or a symlink
     on the way (and the way to its target) belongs to a user other than this
-    process's or root; missing ones are skipped. That user could rename the
-    cache's own 0700 directories away and put a tree of its files in their
-    place, which this engine would serve: the checksum is no signature."""
+    process's or root, or when one of those directories lets other users
+    rename what it holds (``_open_to_others``); missing ones are skipped.
+    Such a user could rename the cache's own 0700 directories away and put a
+    tree of its files in their place, which this engine would serve: the
+    checksum is no signature."""
     allowed = {0, os.geteuid()}
     absolute = Path(os.path.abspath(path))
     for entry in (*reversed(absolute.parents), absolute):
@@ -148,12 +171,46 @@ def check_owners(path: str | os.PathLike[str], _links: int = 0) -> None:
                 f"process's uid {os.geteuid()} nor root; that user could replace the "
                 f"cache's directories with its own files, so the disk tier refuses it "
                 f"(use a directory of this user's, under directories of this user or root)")
-        if stat.S_ISLNK(st.st_mode):
+        if stat.S_ISDIR(st.st_mode):
+            others = _open_to_others(st)
+            if others is not None:
+                raise TierConfigError(
+                    f"disk_path {path}: {entry} is writable by {others} and has no sticky "
+                    f"bit, so they could replace the cache's directories with their own "
+                    f"files; the disk tier refuses it (chmod go-w or chmod +t it, or use "
+                    f"a disk_path under directories only this user or root may write)")
+        elif stat.S_ISLNK(st.st_mode):
             if _links >= _MAX_LINKS:
                 raise TierConfigError(f"disk_path {path}: too many symlinks")
             # a relative target starts where the link is, symlinks above resolved
             target = Path(os.path.realpath(entry.parent)) / os.readlink(entry)
             check_owners(target, _links + 1)
+
+
+def _open_to_others(st: os.stat_result) -> str | None:
+    """Who besides this user and root may rename entries of the directory
+    ``st`` describes (None: no one). Whoever owns it: a root-owned 0777
+    directory (a container's shared volume) is as open as another user's.
+    The sticky bit (/tmp, /dev/shm) limits renames to an entry's owner. A
+    group counts unless it is this user's private group (same name, no other
+    member listed: ``umask 002`` systems make every directory group-writable)."""
+    if st.st_mode & stat.S_ISVTX:
+        return None
+    if st.st_mode & stat.S_IWOTH:
+        return "every user"
+    if st.st_mode & stat.S_IWGRP and not _private_group(st.st_gid):
+        return f"group {st.st_gid}"
+    return None
+
+
+def _private_group(gid: int) -> bool:
+    """Whether group ``gid`` is this user's own (user private group)."""
+    try:
+        group = grp.getgrgid(gid)
+        me = pwd.getpwuid(os.geteuid()).pw_name
+    except KeyError:  # no name for the group or the user: nothing shows it is private
+        return False
+    return group.gr_name == me and set(group.gr_mem) <= {me}
 
 
 _MAX_LINKS = 40
@@ -261,12 +318,16 @@ class TierDirectory:
         carries this process's pid, so a scan can tell a dead writer's."""
         return f"{self.subdir(key)}/.{key.hex()[:32]}.{os.getpid()}.{serial}{TMP_SUFFIX}"
 
-    def scan(self, tmp_max_age_s: float) -> tuple[list[Scanned], int]:
-        """Every block file, oldest first, and how many temp files were removed
-        on the way (those of dead writers, and any older than ``tmp_max_age_s``)."""
+    def scan(self, tmp_max_age_s: float) -> tuple[list[Scanned], int, int]:
+        """Every block file, oldest first; how many temp files were removed
+        on the way (those of dead writers, and any older than ``tmp_max_age_s``);
+        and how many ``.kvb`` entries were left out: names other than the one
+        the tier gives a block (``block_name_key``, in the key's own
+        subdirectory), which it could neither read nor evict (``kvtier disk
+        verify --repair`` removes them), and what is not a regular file."""
         found: list[Scanned] = []
-        now, me, removed = time.time(), os.getpid(), 0
-        for sub in self._subdirs:
+        now, me, removed, foreign = time.time(), os.getpid(), 0, 0
+        for home, sub in enumerate(self._subdirs):
             try:
                 entries = os.scandir(sub)
             except FileNotFoundError:
@@ -276,27 +337,33 @@ class TierDirectory:
                 for entry in entries:
                     name = entry.name
                     if name.endswith(BLOCK_SUFFIX) and name[0] != ".":
-                        block = _block_entry(entry, now)
+                        block = _block_entry(entry, now, home)
                         if block is not None:
                             found.append(block)
+                        else:
+                            foreign += 1
                     elif is_temp_name(name) and _stale_entry(entry, now, me, tmp_max_age_s):
                         removed += unlink_quietly(entry.path)
         found.sort()
-        return found, removed
+        return found, removed, foreign
 
 
-def _block_entry(entry: os.DirEntry[str], now: float) -> Scanned | None:
-    """A block file's scan row; None for a bad name or anything but a regular file.
+def _block_entry(entry: os.DirEntry[str], now: float, home: int) -> Scanned | None:
+    """A block file's scan row; None for a name the tier does not give the
+    block (``block_name_key``, subdirectory ``home``) or anything but a
+    regular file.
     A modification time ahead of ``now`` (written before the clock was set
     back) becomes ``now``, on disk too: else the scan's order, which is the
     tier's LRU order, would keep such a block the most recent until the clock
     caught up, and evict every block used since before it."""
-    try:
-        key = bytes.fromhex(entry.name[: -len(BLOCK_SUFFIX)])
-        st = entry.stat(follow_symlinks=False)
-    except (ValueError, OSError):
+    key = block_name_key(entry.name)
+    if key is None or fan_out_index(key) != home:
         return None
-    if not (key and stat.S_ISREG(st.st_mode)):
+    try:
+        st = entry.stat(follow_symlinks=False)
+    except OSError:
+        return None
+    if not stat.S_ISREG(st.st_mode):
         return None
     mtime = st.st_mtime
     if mtime > now + FUTURE_SLACK_S:

@@ -78,14 +78,28 @@ class PromotionJob:
             finally:
                 self.reading = None
                 self.busy[tier.name] = self.busy.get(tier.name, 0.0) + time.perf_counter() - t0
+            wrong = []
             for i, n in zip(todo, sizes, strict=True):
                 if n == buffers[i].nbytes:
                     self.ok[i], self.source[i] = True, tier.name
                 elif n is not None:
+                    wrong.append(self.keys[i])
                     _warn.warning(
-                        "kvtier cascade: %s block of %d bytes for a %d-byte slot; ignored",
+                        "kvtier cascade: %s block of %d bytes for a %d-byte slot; removed",
                         tier.name, n, buffers[i].nbytes,
                     )
+            if wrong:
+                _remove_wrong_sizes(tier, wrong)
+
+
+def _remove_wrong_sizes(tier: Tier, keys: list[bytes]) -> None:
+    """Delete blocks ``tier`` holds in another size than a slot's: the
+    namespace fixes a block's size, so no read of them will ever do, and
+    kept, each lookup would find them and promote them in vain."""
+    try:
+        tier.delete(keys)
+    except Exception as exc:
+        _warn.warning("kvtier cascade: %s delete failed: %s", tier.name, exc)
 
 
 @dataclass(slots=True)

@@ -80,7 +80,9 @@ class RankedTier(Tier):
     is whole, ``removed`` (or ``corrupt``) once when its first shard leaves,
     which takes the other ranks' shards with it (no orphan shards; each rank
     would otherwise report the same eviction). A block that a read finds on
-    some ranks only, the next one being local, loses those shards too.
+    some ranks only, the next one being local, loses those shards too, and one
+    with a shard of another length than the slot's loses them all. Puts of a
+    key run one at a time, and a read deletes no shard of a key a put writes.
     """
 
     BLOCK_COUNTERS = ("hits", "misses", "stores", "dropped_stores")
@@ -100,6 +102,11 @@ class RankedTier(Tier):
         # rank -> keys it deleted as orphans, with events only: emptied by the
         # next ``_settle_events`` (at most the keys of the puts since then)
         self._quiet: dict[int, set[bytes]] = {}
+        # Keys of the puts running and keys whose shards a read is deleting
+        # (``_begin_put``, ``_begin_drop``): at most the keys of the puts and
+        # reads running, one call per I/O thread.
+        self._keys_cond = threading.Condition()
+        self._claimed: set[bytes] = set()
 
     def _parts(self, buffers: Sequence[Any], rank: int) -> list[BytesLike]:
         n = len(self.ranks)
@@ -143,9 +150,13 @@ class RankedTier(Tier):
             sizes = tier.get_into([keys[i] for i in todo], [parts[i] for i in todo])
             for i, n in zip(todo, sizes, strict=True):
                 prev = total[i]
-                whole = prev is not None and n is not None and n == memoryview(parts[i]).nbytes
-                total[i] = prev + n if whole and prev is not None and n is not None else None
-                if total[i] is None and rank and not tier.remote:
+                if prev is not None and n is not None and n == memoryview(parts[i]).nbytes:
+                    total[i] = prev + n
+                    continue
+                total[i] = None
+                if n is not None:  # a valid shard of another length: no read will ever do
+                    self._drop_block(keys[i])
+                elif rank and not tier.remote:
                     self._drop_shards(keys[i], rank)
         found = sum(t is not None for t in total)
         self._blocks.add("hits", found)
@@ -185,6 +196,14 @@ class RankedTier(Tier):
 
     def _put(self, items: Sequence[tuple[bytes, Any]]) -> list[bool]:
         keys = [k for k, _ in items]
+        claim = set(keys)
+        self._begin_put(claim)
+        try:
+            return self._put_ranks(keys, items)
+        finally:
+            self._release(claim)
+
+    def _put_ranks(self, keys: list[bytes], items: Sequence[tuple[bytes, Any]]) -> list[bool]:
         stored_by = [tier.put(list(zip(keys, self._parts([p for _, p in items], rank),
                                        strict=True)))
                      for rank, tier in enumerate(self.ranks)]
@@ -201,11 +220,57 @@ class RankedTier(Tier):
         """After rank ``ranks`` missed ``key`` that the ranks before it read
         whole: when that rank does not hold the shard (not a passing read
         error), delete the earlier shards, since the block can never be read;
-        its removal is reported. Not after a remote rank's miss (a timeout?)."""
-        if self.ranks[ranks].contains_waiting([key]) == [True]:
+        its removal is reported. Not after a remote rank's miss (a timeout?),
+        nor while a put of ``key`` runs (``_begin_drop``)."""
+        if not self._begin_drop(key):
             return
-        for tier in self.ranks[:ranks]:
-            tier.delete([key])
+        try:
+            if self.ranks[ranks].contains_waiting([key]) == [True]:
+                return
+            for tier in self.ranks[:ranks]:
+                tier.delete([key])
+        finally:
+            self._release({key})
+
+    def _drop_block(self, key: bytes) -> None:
+        """Delete every rank's shard of ``key``, one of which was read whole
+        and valid but of another length than the slot's: the namespace fixes
+        a shard's length, so the block can never be read, and kept it would
+        be found and fail at every lookup. Its removal is reported."""
+        if not self._begin_drop(key):
+            return
+        try:
+            for tier in self.ranks:
+                tier.delete([key])
+        finally:
+            self._release({key})
+
+    def _begin_drop(self, key: bytes) -> bool:
+        """Claim ``key`` for deleting shards found bad; False while a put of
+        it runs (the shards it writes are not the ones read: its block ends
+        whole, or the put removes its orphans itself) or another drop has it."""
+        with self._keys_cond:
+            if key in self._claimed:
+                return False
+            self._claimed.add(key)
+            return True
+
+    def _begin_put(self, keys: set[bytes]) -> None:
+        """Wait until no put or drop has a key of ``keys``, then claim them.
+        A drop that checked a rank before a put wrote there would delete the
+        shards the put wrote to the ranks before it, and a put that failed on
+        a rank would delete as orphans the shards another put of the key
+        found there (its duplicates): either put would then report a block
+        that can never be read."""
+        with self._keys_cond:
+            self._keys_cond.wait_for(lambda: self._claimed.isdisjoint(keys))
+            self._claimed.update(keys)
+
+    def _release(self, keys: set[bytes]) -> None:
+        """End the claim of ``_begin_drop`` or ``_begin_put`` on ``keys``."""
+        with self._keys_cond:
+            self._claimed.difference_update(keys)
+            self._keys_cond.notify_all()
 
     def _delete_orphans(self, rank: int, keys: list[bytes]) -> None:
         """Delete shards of blocks that are not whole on ``rank``; their removal

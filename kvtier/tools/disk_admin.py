@@ -31,8 +31,8 @@ from typing import Any
 from kvtier.file_locks import is_locked
 from kvtier.tiers import blockfile
 from kvtier.tiers.blockfile import CorruptBlockError
-from kvtier.tiers.disk import MAX_DISK_KEY_BYTES, TMP_MAX_AGE_S
-from kvtier.tiers.disk_dir import BLOCK_SUFFIX, fan_out_index, stale_temp
+from kvtier.tiers.disk import TMP_MAX_AGE_S
+from kvtier.tiers.disk_dir import block_name_key, fan_out_index, stale_temp
 from kvtier.tools import AdminError
 from kvtier.tools.disk_layout import (
     Entry,
@@ -317,14 +317,9 @@ def check_block(entry: Entry, namespace: bytes) -> tuple[str | None, FileIdent]:
 
 
 def block_key_of(name: str) -> bytes | None:
-    """The key a block file's name stands for (None: not a block file name)."""
-    if not name.endswith(BLOCK_SUFFIX) or name.startswith("."):
-        return None
-    try:
-        key = bytes.fromhex(name[: -len(BLOCK_SUFFIX)])
-    except ValueError:
-        return None
-    return key if 1 <= len(key) <= MAX_DISK_KEY_BYTES else None
+    """The key a block file's name stands for (None: not a name the disk tier
+    gives a block, which it neither reads nor evicts: ``block_name_key``)."""
+    return block_name_key(name)
 
 
 def read_block_file(path: str) -> tuple[memoryview, FileIdent]:
