@@ -14,26 +14,22 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import disk_blocks
+from helpers.disk_blocks import ROOT_ONLY, SIZE, payload
 
 from kvtier import block_key
 from kvtier.slots import SlotRegion
-from kvtier.tiers import DiskTier, KVLayout, TierConfigError, blockfile
+from kvtier.tiers import DiskTier, KVLayout, TierConfigError
 from kvtier.tiers.disk_dir import LAYOUT_DIR, allocated, check_tier_path, fan_out_index
 from kvtier.tiers.io_pool import PromotionJob
 from kvtier.tiers.ranks import RankedTier, RankRegions
 from kvtier.tools import disk_admin
 
 NS = KVLayout("leftover-model", "bfloat16", 16, 2, 2, 64).namespace()
-SIZE = 16 * 1024
-ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to chown")
-
-
-def payload(i: int, size: int = SIZE) -> np.ndarray:
-    return np.random.default_rng(i).integers(0, 256, size, dtype=np.uint8)
 
 
 def file_bytes(size: int = SIZE) -> int:
-    return allocated(blockfile.header_size(NS.encode(), block_key(0)) + size)
+    return disk_blocks.file_bytes(NS, size)
 
 
 def make(path: Path, capacity: int = 64 << 20, ns: str = NS, **kw: object) -> DiskTier:
