@@ -40,7 +40,8 @@ class NoProgress:
 class TqdmProgress:
     """A tqdm bar on ``stream`` (stderr); lines go to stdout without breaking the bar."""
 
-    def __init__(self, total: int, stream: TextIO, unit: str = "req") -> None:
+    def __init__(self, total: int | None, stream: TextIO, unit: str = "req") -> None:
+        """``total`` None: a counter of ``unit`` with its rate, no bar (total unknown)."""
         from tqdm import tqdm
 
         self._tqdm = tqdm
@@ -64,10 +65,10 @@ class TqdmProgress:
         self._bar.close()
 
 
-def make_progress(total: int, enabled: bool, stream: TextIO | None = None,
+def make_progress(total: int | None, enabled: bool, stream: TextIO | None = None,
                   unit: str = "req") -> Progress:
-    """A tqdm bar (counting ``unit``) when ``enabled``, ``stream`` (stderr) is a TTY
-    and tqdm is installed."""
+    """A tqdm bar (counting ``unit``; ``total`` None: a counter, the total being
+    unknown) when ``enabled``, ``stream`` (stderr) is a TTY and tqdm is installed."""
     stream = sys.stderr if stream is None else stream
     if enabled and stream.isatty():
         try:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import pytest
 
@@ -118,3 +119,17 @@ def fake_clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
 
     monkeypatch.setattr(kvtier.manager, "time", _Time)
     return clock
+
+
+@pytest.fixture
+def redis_server() -> Iterator[Any]:
+    """A fresh local redis-server or valkey-server, stopped after the test
+    (skipped where none is installed or redis-py is missing: ``make test``
+    installs both)."""
+    pytest.importorskip("redis", reason="the redis extra (redis-py) is not installed")
+    from kvtier.tiers.redis_server import RedisServer, find_server_binary
+
+    if find_server_binary() is None:
+        pytest.skip("no redis-server or valkey-server binary (see tests/test_tier_redis.py)")
+    with RedisServer() as server:
+        yield server

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers.bench_runs import run_result
 
 from kvtier import prom
 from kvtier.bench import faults, serving
@@ -22,16 +23,6 @@ from kvtier.bench.drill_writer import WriterConfig, drill_key
 from kvtier.bench.redis_drill import RedisKill
 from kvtier.cli import main
 from kvtier.server_process import ServerError
-
-
-def _run(config: str, repeat: int, **figures: Any) -> serving.RunResult:
-    base: dict[str, Any] = dict(
-        config=config, traffic="bundled", regime="paced", cpu_blocks=1000, repeat=repeat,
-        completed=10, failed=0, throughput=2.0, ttft_mean_ms=100.0, ttft_p50_ms=90.0,
-        ttft_p99_ms=200.0, ttft_max_ms=250.0, hit_ratio=0.1, external_queries=100.0,
-        external_hits=10.0)
-    base.update(figures)
-    return serving.RunResult(**base)
 
 
 def _settings(tmp_path: Path, *configs: str) -> serving.BenchSettings:
@@ -49,9 +40,9 @@ def test_a_run_whose_requests_all_failed_does_not_count_as_a_ttft_of_zero(
     the configuration's median TTFT (100 -> 50 ms) and made it look twice as
     fast as vLLM's manager (TTFT/vllm 0.50), the failure itself visible only in
     the summed `fail` column."""
-    results = [_run("vllm-lru", 0), _run("vllm-lru", 1),
-               _run("lru", 0),
-               _run("lru", 1, completed=0, failed=10, throughput=0.0, ttft_mean_ms=0.0,
+    results = [run_result("vllm-lru", 0), run_result("vllm-lru", 1),
+               run_result("lru", 0),
+               run_result("lru", 1, completed=0, failed=10, throughput=0.0, ttft_mean_ms=0.0,
                     ttft_p50_ms=0.0, ttft_p99_ms=0.0, ttft_max_ms=0.0)]
     rows = {r.config: r for r in serving.summarize(results, _settings(tmp_path, "vllm-lru",
                                                                           "lru"))}
@@ -66,7 +57,8 @@ def test_a_configuration_whose_runs_all_failed_has_no_ttft(tmp_path: Path) -> No
     (and no ratio), rather than 0 ms."""
     failed = dict(completed=0, failed=10, throughput=0.0, ttft_mean_ms=0.0, ttft_p50_ms=0.0,
                   ttft_p99_ms=0.0, ttft_max_ms=0.0)
-    results = [_run("vllm-lru", 0), _run("lru", 0, **failed), _run("lru", 1, **failed)]
+    results = [run_result("vllm-lru", 0), run_result("lru", 0, **failed),
+               run_result("lru", 1, **failed)]
     rows = {r.config: r for r in serving.summarize(results, _settings(tmp_path, "vllm-lru",
                                                                           "lru"))}
     assert math.isnan(rows["lru"].ttft_mean_ms) and rows["lru"].ttft_mean_vs_peer is None
@@ -81,7 +73,7 @@ def test_a_ttft_no_run_measured_is_null_in_summary_json(
     monkeypatch.setattr(serving, "plot", lambda rows, out: out.write_bytes(b"png"))
     failed = dict(completed=0, failed=10, throughput=0.0, ttft_mean_ms=0.0, ttft_p50_ms=0.0,
                   ttft_p99_ms=0.0, ttft_max_ms=0.0)
-    results = [_run("vllm-lru", 0), _run("lru", 0, **failed)]
+    results = [run_result("vllm-lru", 0), run_result("lru", 0, **failed)]
     _write_summary(serving.summarize(results, _settings(tmp_path, "vllm-lru", "lru")), tmp_path)
 
     def refuse(constant: str) -> None:
@@ -97,7 +89,8 @@ def test_the_table_does_not_claim_more_repeats_than_a_row_has(tmp_path: Path) ->
     vllm-lru but not of lru): the block's header said "medians of 2 runs",
     taken from its first row, while lru's row was one run, its ratios a single
     run against a median of two."""
-    results = [_run("vllm-lru", 0), _run("vllm-lru", 1, ttft_mean_ms=300.0), _run("lru", 0)]
+    results = [run_result("vllm-lru", 0), run_result("vllm-lru", 1, ttft_mean_ms=300.0),
+               run_result("lru", 0)]
     rows = serving.summarize(results, _settings(tmp_path, "vllm-lru", "lru"))
     assert [(r.config, r.repeats) for r in rows] == [("vllm-lru", 2), ("lru", 1)]
     header = next(line for line in serving.table(rows) if "medians of" in line)
@@ -116,7 +109,7 @@ def test_summarize_keeps_the_runs_of_configurations_not_named_again(
     monkeypatch.setattr(serving, "plot", lambda rows, out: out.write_bytes(b"png"))
     out = tmp_path / "out"
     out.mkdir()
-    runs = [_run(c, r, cpu_blocks=size) for size in (1000, 2000)
+    runs = [run_result(c, r, cpu_blocks=size) for size in (1000, 2000)
             for c in ("vllm-lru", "plfu", "default") for r in (0, 1)]
     (out / "runs.jsonl").write_text("".join(json.dumps(serving.asdict(r)) + "\n"
                                             for r in runs))
@@ -164,7 +157,7 @@ def test_the_hit_ratio_of_a_disk_configuration_is_not_called_the_cpu_tiers(
     from kvtier.bench.commands import _plain
 
     assert "CPU-tier hit ratio" not in (_plain(serving.__doc__, 1) or "")
-    results = [_run(c, 0, traffic=t) for t in ("bundled", "generated")
+    results = [run_result(c, 0, traffic=t) for t in ("bundled", "generated")
                for c in (("vllm-lru", "default", "default+disk") if t == "bundled"
                          else ("vllm-lru", "default"))]
     settings = serving.BenchSettings(

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import importlib.util
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -118,16 +117,6 @@ def test_a_sliding_window_groups_misses_are_counted_once() -> None:
     assert reported["hits"] == 0
 
 
-@pytest.fixture
-def redis_server() -> Iterator[Any]:
-    from kvtier.tiers.redis_server import RedisServer, find_server_binary
-
-    if find_server_binary() is None:
-        pytest.skip("no redis-server binary")
-    pytest.importorskip("redis")
-    server = RedisServer().start()
-    yield server
-    server.close()
 
 
 def test_blocks_waiting_on_a_slow_redis_are_counted_once(

@@ -11,7 +11,7 @@ import os
 import re
 import threading
 import tracemalloc
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -168,16 +168,6 @@ def test_reading_a_block_path_that_became_a_fifo_returns(tmp_path: Path) -> None
 
 
 # ------------------------------------------------------------ redis inspect
-@pytest.fixture
-def redis_server() -> Iterator[Any]:
-    pytest.importorskip("redis", reason="the redis extra (redis-py) is not installed")
-    from kvtier.tiers.redis_server import RedisServer, find_server_binary
-
-    if find_server_binary() is None:
-        pytest.skip("no redis-server or valkey-server binary (see tests/test_tier_redis.py)")
-    srv = RedisServer().start()
-    yield srv
-    srv.close()
 
 
 def test_redis_keys_the_user_may_not_read_are_not_reported_as_foreign(

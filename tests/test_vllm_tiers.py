@@ -6,7 +6,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -62,17 +61,6 @@ def test_fast_block_hashing_shares_keys_only_with_a_common_seed(tmp_path: Path) 
     assert not any("prefix_caching_hash_algo" in run["stderr"] for run in seeded)
 
 
-@pytest.fixture
-def redis_server() -> Iterator[Any]:
-    """A fresh local redis-server (skipped where none is installed: ``make test``
-    installs one)."""
-    from kvtier.tiers.redis_server import RedisServer, find_server_binary
-
-    if find_server_binary() is None:
-        pytest.skip("no redis-server binary")
-    pytest.importorskip("redis")
-    with RedisServer() as server:
-        yield server
 
 
 def test_second_engine_is_served_from_the_redis_tier(tmp_path: Path, redis_server: Any) -> None:

@@ -292,7 +292,8 @@ class DiskDrillReport:
         return not self.failures()
 
     def totals(self) -> dict[str, Any]:
-        """Sums over the rounds."""
+        """Sums over the rounds (``answers_identical``: of the ``answers_checked``
+        rounds; ``answers_unchecked``: rounds without an engine to ask)."""
         checks = [r.check for r in self.rounds]
         return {
             "rounds": len(self.rounds),
@@ -307,7 +308,11 @@ class DiskDrillReport:
             "wrong_reads": sum(c.wrong_reads for c in checks),
             "acked_lost": sum(c.acked_missing for c in checks),
             "disk_tokens": sum(r.disk_tokens for r in self.rounds),
-            "answers_identical": all(r.fixed_identical is not False for r in self.rounds),
+            # rounds whose fixed prompts were asked (engine drills), apart from the
+            # others: a round nobody asked proves nothing either way
+            "answers_checked": sum(r.fixed_identical is not None for r in self.rounds),
+            "answers_identical": sum(r.fixed_identical is True for r in self.rounds),
+            "answers_unchecked": sum(r.fixed_identical is None for r in self.rounds),
             "request_errors": sum(r.request_errors for r in self.rounds),
             "regions_left_by_kills": sum(r.regions_after_kill for r in self.rounds),
             "stale_regions": sum(r.stale_regions or 0 for r in self.rounds),
@@ -480,11 +485,12 @@ def _disk_round(directory: Path, round_: DiskRound, previous: DiskRound | None,
                 round_.engine_disk_stores = int(tier_metric(server.url, "stores", "disk"))
                 round_.engine_corrupt = int(tier_metric(server.url, "corrupt", "disk"))
             shm = session_shm_files(_pids(server))  # what the engine maps at the kill
-        kill_at = time.monotonic()
+        # the requests that ended before the kill: those cut short by it are no failure
+        before = load.stats() if load is not None else None
         _kill_all(writer, server, writer_first=rng.random() < 0.5)
         if load is not None:
             load.stop()
-            before = load.stats(until=kill_at)
+        if before is not None:
             round_.engine_requests, round_.request_errors = before.ok, before.failed
     finally:
         _kill_all(writer, server, writer_first=True)

@@ -21,7 +21,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -246,6 +246,10 @@ def pool_prompts(n: int, seed: int, low: int = 256, high: int = 400) -> list[lis
     return [distinct_prompt(rng, low, high) for _ in range(n)]
 
 
+MAX_LOAD_ERRORS = 5
+"""Failures a :class:`LoadStats` describes (the first ones); the rest are counted."""
+
+
 @dataclass
 class LoadStats:
     """What a :class:`Load` saw; ``wrong``: answers that differ from the reference."""
@@ -255,20 +259,30 @@ class LoadStats:
     failed: int = 0
     wrong: int = 0
     errors: list[str] = field(default_factory=list)
-    """The first few failures, described."""
+    """The first :data:`MAX_LOAD_ERRORS` failures, described."""
 
+    def add(self, failure: str | None, wrong: bool) -> None:
+        """Count one request's outcome."""
+        self.requests += 1
+        self.ok += failure is None
+        self.failed += failure is not None
+        self.wrong += wrong
+        if failure is not None and len(self.errors) < MAX_LOAD_ERRORS:
+            self.errors.append(failure)
 
-@dataclass(frozen=True, slots=True)
-class _Outcome:
-    end: float
-    failure: str | None
-    wrong: bool
+    def copy(self) -> LoadStats:
+        """A snapshot (the ``errors`` list copied too)."""
+        return replace(self, errors=list(self.errors))
 
 
 class Load:
     """Threads asking a server continuously: distinct random prompts (each one
     new blocks: writes), or with ``pool`` a prompt of it whose answer is checked
-    against ``pool_answers`` (a share ``distinct_share`` stays distinct)."""
+    against ``pool_answers`` (a share ``distinct_share`` stays distinct).
+
+    Memory: the outcomes are counted as they come (:class:`LoadStats`), and at
+    most :data:`MAX_LOAD_ERRORS` failures are described, however long the load
+    runs; ``stats()`` at a moment (a kill) gives the counts up to it."""
 
     def __init__(self, url: str, model: Path, *, seed: int, threads: int = 2,
                  pool: Sequence[Sequence[int]] = (), pool_answers: Sequence[str] = (),
@@ -284,7 +298,7 @@ class Load:
         self._running.set()
         self._inflight = 0
         self._lock = threading.Lock()
-        self._outcomes: list[_Outcome] = []
+        self._counts = LoadStats()
         self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True,
                                           name=f"drill-load-{i}") for i in range(threads)]
 
@@ -329,7 +343,7 @@ class Load:
         except RequestFailed as exc:
             failure = str(exc)
         with self._lock:
-            self._outcomes.append(_Outcome(time.monotonic(), failure, wrong))
+            self._counts.add(failure, wrong)
 
     def pause(self, timeout_s: float | None = None) -> None:
         """Stop sending; returns once no request is in flight."""
@@ -349,7 +363,7 @@ class Load:
     def completed(self) -> int:
         """Requests answered so far."""
         with self._lock:
-            return sum(o.failure is None for o in self._outcomes)
+            return self._counts.ok
 
     def wait_completed(self, more: int, timeout_s: float = 120.0) -> bool:
         """Wait until ``more`` further requests were answered."""
@@ -368,16 +382,7 @@ class Load:
         for t in self._threads:
             t.join(self.timeout_s + 5)
 
-    def stats(self, until: float | None = None) -> LoadStats:
-        """Counts of the requests that ended before ``until`` (all by default)."""
-        out = LoadStats()
+    def stats(self) -> LoadStats:
+        """The counts of the requests that ended so far."""
         with self._lock:
-            outcomes = [o for o in self._outcomes if until is None or o.end < until]
-        for o in outcomes:
-            out.requests += 1
-            out.ok += o.failure is None
-            out.failed += o.failure is not None
-            out.wrong += o.wrong
-            if o.failure is not None and len(out.errors) < 5:
-                out.errors.append(o.failure)
-        return out
+            return self._counts.copy()

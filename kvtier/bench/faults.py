@@ -381,24 +381,57 @@ _ROW = ("{:<13} {:>5} {:>6} {:>9} {:>6} {:>13} {:>10} {:>5} {:>16} {:>10} {:>10}
 
 
 def table(results: list[FaultResult]) -> list[str]:
-    """The report, the reference run first."""
+    """The report, the reference run first. A figure with nothing to compare
+    against (the reference run measured no TTFT, or served no kvtier tokens)
+    shows ``-``; ``lost`` is at least 0 %, and a note names the runs that
+    served more kvtier tokens than the reference (runs vary)."""
     clean = results[0]
     lines = [_ROW.format(*HEADER)]
+    served_more: list[str] = []
     for r in results:
         if r.skipped:
             lines.append(f"{r.fault:<13} skipped: {r.skipped}")
             continue
-        over = (r.ttft_max_ms - clean.ttft_p99_ms) / 1000
-        lost = 1 - r.kvtier_tokens / clean.kvtier_tokens if clean.kvtier_tokens else 0.0
+        ratio, over = _against_clean_ttft(r, clean)
+        lost = _lost(r, clean)
+        if clean.kvtier_tokens and r.kvtier_tokens > clean.kvtier_tokens:
+            served_more.append(f"{r.fault} +{r.kvtier_tokens / clean.kvtier_tokens - 1:.0%}")
         errors = ",".join(f"{k}={v:.0f}" for k, v in sorted(r.tier_errors.items())) or "0"
-        ratio = r.ttft_p99_ms / clean.ttft_p99_ms if clean.ttft_p99_ms else 0.0
         c = r.counters  # a late promotion that failed is in both promotion counters
         lines.append(_ROW.format(
-            r.fault, r.completed, r.failed, f"{r.ttft_p99_ms:.0f}ms", f"{ratio:.2f}",
-            f"{over:+.2f}s", f"{r.kvtier_tokens:.0f}", f"{lost:.0%}", errors,
+            r.fault, r.completed, r.failed,
+            f"{r.ttft_p99_ms:.0f}ms" if _measured(r) else "-", ratio, over,
+            f"{r.kvtier_tokens:.0f}", lost, errors,
             f"{c.get('write_failures', 0) + c.get('dropped_writes', 0):.0f}",
             f"{c.get('promotion_failures', 0):.0f}", f"{c.get('promotion_timeouts', 0):.0f}",
             f"{r.disk_io_ms / 1000:.1f}", "yes" if r.probe_same else "NO"))
     lines.append(f"bound on max - clean p99 (probe_timeout_s + promotion_timeout_s): "
                  f"{TIMEOUT_BOUND_S:.1f} s")
+    if served_more:
+        lines.append("lost 0% where a run served more kvtier tokens than the reference run: "
+                     + ", ".join(served_more))
     return lines
+
+
+def _measured(r: FaultResult) -> bool:
+    """Whether the run measured a TTFT: ``vllm bench serve`` reports a p99 of 0
+    when no request completed."""
+    return r.completed > 0 and r.ttft_p99_ms > 0
+
+
+def _against_clean_ttft(r: FaultResult, clean: FaultResult) -> tuple[str, str]:
+    """``/clean`` and ``max-clean p99`` cells; ``-`` when either run measured no TTFT
+    (a ratio to 0, or a difference from it, would read as a figure)."""
+    if not (_measured(r) and _measured(clean)):
+        return "-", "-"
+    return (f"{r.ttft_p99_ms / clean.ttft_p99_ms:.2f}",
+            f"{(r.ttft_max_ms - clean.ttft_p99_ms) / 1000:+.2f}s")
+
+
+def _lost(r: FaultResult, clean: FaultResult) -> str:
+    """The ``lost`` cell: the share of the reference run's kvtier tokens this run
+    did not serve; ``-`` when the reference served none; 0 % when this run
+    served more (nothing was lost; how much more is in ``table``'s note)."""
+    if not clean.kvtier_tokens:
+        return "-"
+    return f"{max(0.0, 1 - r.kvtier_tokens / clean.kvtier_tokens):.0%}"

@@ -21,8 +21,9 @@ tiers, ``vllm:external_prefix_cache_hits / _queries`` (the CPU tier's; with
 settings; without it, earlier runs are moved aside (``runs.jsonl.1``...), never
 emptied. The traces are checked (readable, not empty, every request fitting
 the engine's cache) before any result file is touched. The summary holds
-medians over repeats and ratios against no offloading and against vLLM's
-manager, as a table, JSON and one plot.
+medians over repeats (the completed and failed requests: totals over them)
+and ratios against no offloading and against vLLM's manager, as a table,
+JSON and one plot.
 """
 
 from __future__ import annotations
@@ -622,7 +623,9 @@ def run_all(s: BenchSettings, resume: bool = False,
 
 @dataclass(frozen=True)
 class Row:
-    """Medians over repeats of one configuration in one scenario, with ratios."""
+    """Medians over repeats of one configuration in one scenario, with ratios;
+    the request counts are totals over the repeats (a failure in one run is
+    never hidden by a median)."""
 
     config: str
     traffic: str
@@ -630,7 +633,9 @@ class Row:
     cpu_blocks: int
     repeats: int
     completed: int
+    """Requests completed, summed over the repeats."""
     failed: int
+    """Requests failed, summed over the repeats."""
     throughput: float
     ttft_mean_ms: float
     ttft_p50_ms: float
@@ -765,16 +770,21 @@ def table(rows: Sequence[Row]) -> Iterator[str]:
         yield HIT_NOTE
 
 
+SUMMED = "done and fail: totals of the runs"
+"""What a block's heading says of the columns that are not medians."""
+
+
 def _repeats(rows: Sequence[Row]) -> str:
     """How many runs the medians of ``rows`` (one traffic and regime) take;
     the rows with fewer named, when they differ (``--summarize`` of an
-    interrupted benchmark)."""
+    interrupted benchmark); then which columns are totals, not medians."""
     most = max(r.repeats for r in rows)
     fewer = [f"{r.config} {r.cpu_blocks}: {r.repeats}" for r in rows if r.repeats < most]
     if not fewer:
-        return f"medians of {most} runs"
+        return f"medians of {most} runs; {SUMMED}"
     least = min(r.repeats for r in rows)
-    return f"medians of {least}-{most} runs; fewer than {most}: {', '.join(fewer)}"
+    return (f"medians of {least}-{most} runs; fewer than {most}: {', '.join(fewer)}; "
+            f"{SUMMED}")
 
 
 def plot(rows: Sequence[Row], out: Path) -> None:

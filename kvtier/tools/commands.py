@@ -3,7 +3,7 @@
     kvtier disk inspect PATH [--namespace NS] [--json]
     kvtier disk verify PATH [--namespace NS] [--repair] [--json] [--no-progress]
     kvtier disk purge PATH [--namespace NS] [--yes]
-    kvtier redis inspect URL [--scan-count N] [--json]
+    kvtier redis inspect URL [--scan-count N] [--json] [--no-progress]
 
 The work is done by :mod:`kvtier.tools.disk_admin` and
 :mod:`kvtier.tools.redis_admin`, imported when a command runs (building the
@@ -112,6 +112,8 @@ def add_redis_parser(commands: Any) -> None:
     p.add_argument("--scan-count", type=positive_int, default=1000, metavar="N",
                    help="COUNT hint of each SCAN call (default 1000)")
     p.add_argument("--json", action="store_true", help=_JSON_HELP)
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress counter (shown on a terminal: SCAN calls, keys found)")
     p.set_defaults(func=cmd_redis_inspect)
 
 
@@ -299,8 +301,21 @@ def _confirm_purge(root: Path, selected: Namespaces) -> bool:
 
 # ---------------------------------------------------------------- redis inspect
 def cmd_redis_inspect(args: argparse.Namespace) -> int:
-    """``kvtier redis inspect``: print the report; exit 0."""
-    report = _call(_redis_admin().inspect_redis, args.url, scan_count=args.scan_count)
+    """``kvtier redis inspect``: print the report; exit 0. On a terminal a counter
+    on stderr shows the SCAN going (a large database takes many calls)."""
+    redis_admin = _redis_admin()
+    # the number of kvtier keys is what SCAN finds out: a counter, not a bar
+    progress = make_progress(None, not args.no_progress and sys.stderr.isatty(), unit="key")
+
+    def on_page(keys: int, report: RedisReport) -> None:
+        progress.describe(f"SCAN call {report.scan_calls}")
+        progress.update(keys)
+
+    try:
+        report = _call(redis_admin.inspect_redis, args.url, scan_count=args.scan_count,
+                       on_page=on_page)
+    finally:
+        progress.close()
     if args.json:
         print(json.dumps(report.to_dict()))
     else:
@@ -310,7 +325,7 @@ def cmd_redis_inspect(args: argparse.Namespace) -> int:
 
 def format_redis_report(report: RedisReport) -> list[str]:
     """A ``RedisReport`` as text lines."""
-    from kvtier.tools.redis_admin import BYTES_METHOD, KEY_PREFIX
+    from kvtier.tools.redis_admin import BYTES_METHOD, KEY_PREFIX, MAX_NAMESPACES
 
     server = report.server
     about = ", ".join(part for part in (
@@ -326,11 +341,15 @@ def format_redis_report(report: RedisReport) -> list[str]:
         rows = [[ns.namespace, str(ns.keys), human_bytes(ns.value_bytes)]
                 for ns in [*report.sorted_namespaces(), report.total()]]
         lines += table(["namespace", "keys", f"value bytes ({BYTES_METHOD})"], rows)
-    total = report.total().keys
+    blocks = report.total().keys + report.overflow.keys
     lines.append(f"value bytes: {BYTES_METHOD} of every value (header and payload, without "
                  "the server's per-key overhead)")
+    if report.overflow.keys:
+        lines.append(f"{plural(report.overflow.keys, 'more key')} "
+                     f"({human_bytes(report.overflow.value_bytes)}) in namespaces found after "
+                     f"the first {MAX_NAMESPACES:,}, not in the table")
     lines.append(f"SCAN MATCH {(KEY_PREFIX + b'*').decode()} COUNT {report.scan_count}: "
-                 f"{plural(report.scan_calls, 'call')}; {total} of {report.db_keys} keys in "
+                 f"{plural(report.scan_calls, 'call')}; {blocks} of {report.db_keys} keys in "
                  "the database are kvtier blocks")
     if report.other_keys:
         lines.append(f"{plural(report.other_keys, 'other key')} under kvtier: "

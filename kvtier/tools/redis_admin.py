@@ -16,12 +16,14 @@ message names the URL with the password replaced by ``***``. Redis Cluster URLs
 are refused: inspect each shard's own URL.
 
 Memory: one SCAN page of keys at a time, and a counter per namespace (at most
-:data:`MAX_NAMESPACES`).
+:data:`MAX_NAMESPACES`; the keys of further namespaces are counted together,
+as ``overflow``).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
@@ -38,7 +40,8 @@ KEY_PREFIX = b"kvtier:"
 """RedisTier's default ``key_prefix`` and its separator."""
 DEFAULT_SCAN_COUNT = 1000
 MAX_NAMESPACES = 10_000
-"""Namespaces counted one by one; keys of further ones count as ``other_keys``."""
+"""Namespaces counted one by one; the keys of further ones count together, in
+``RedisReport.overflow``."""
 BYTES_METHOD = "STRLEN"
 _PROBE_NAMESPACE = "kvtier-admin"
 """RedisTier needs a namespace; the tool never reads or writes under it."""
@@ -68,6 +71,9 @@ class RedisReport:
     namespaces: dict[str, RedisNamespace] = field(default_factory=dict)
     other_keys: int = 0
     """``kvtier:*`` keys that are not ``kvtier:<namespace>:<key>`` string values."""
+    overflow: RedisNamespace = field(default_factory=lambda: RedisNamespace("overflow"))
+    """Keys and value bytes of the namespaces met after the first
+    :data:`MAX_NAMESPACES` (kvtier blocks, not counted one namespace at a time)."""
     scan_calls: int = 0
     db_keys: int | None = None
 
@@ -76,7 +82,7 @@ class RedisReport:
         return [self.namespaces[name] for name in sorted(self.namespaces)]
 
     def total(self) -> RedisNamespace:
-        """The sum over all namespaces."""
+        """The sum over the namespaces counted one by one (``overflow`` apart)."""
         total = RedisNamespace("total")
         for ns in self.namespaces.values():
             total.keys += ns.keys
@@ -93,6 +99,8 @@ class RedisReport:
             "namespaces": [ns.to_dict() for ns in self.sorted_namespaces()],
             "total": {"namespaces": len(self.namespaces), **total},
             "other_keys": self.other_keys,
+            "overflow": {"after_namespaces": MAX_NAMESPACES, "keys": self.overflow.keys,
+                         "value_bytes": self.overflow.value_bytes},
             "bytes_method": BYTES_METHOD,
             "scan": {"match": (KEY_PREFIX + b"*").decode(), "count": self.scan_count,
                      "calls": self.scan_calls},
@@ -100,10 +108,15 @@ class RedisReport:
         }
 
 
+PageCallback = Callable[[int, "RedisReport"], None]
+"""Called after each SCAN page with its number of keys and the report so far."""
+
+
 def inspect_redis(url: str, *, scan_count: int = DEFAULT_SCAN_COUNT,
                   password_env: str | None = DEFAULT_PASSWORD_ENV,
-                  timeout_s: float = 5.0) -> RedisReport:
-    """Count kvtier's keys and value bytes per namespace on the server at ``url``.
+                  timeout_s: float = 5.0, on_page: PageCallback | None = None) -> RedisReport:
+    """Count kvtier's keys and value bytes per namespace on the server at ``url``
+    (``on_page``: told after each SCAN page, for a progress display).
 
     Raises :class:`~kvtier.tools.AdminError` (URL redacted) for a bad URL, a
     cluster URL, or a server that cannot be reached or fails meanwhile.
@@ -114,7 +127,7 @@ def inspect_redis(url: str, *, scan_count: int = DEFAULT_SCAN_COUNT,
         report = RedisReport(tier.safe_url, tier.check(), scan_count)
         client = tier._client()  # the tier's own client: same URL, auth, TLS, timeouts
         report.db_keys = int(client.dbsize())
-        _scan(client, report)
+        _scan(client, report, on_page)
         return report
     except TierUnavailableError as exc:
         raise AdminError(_scrub(f"cannot reach Redis: {exc}", secrets)) from None
@@ -138,7 +151,7 @@ def _open_tier(url: str, password_env: str | None, timeout_s: float) -> RedisTie
     return tier
 
 
-def _scan(client: Any, report: RedisReport) -> None:
+def _scan(client: Any, report: RedisReport, on_page: PageCallback | None) -> None:
     """SCAN every page of ``kvtier:*`` and count it into ``report``."""
     cursor = 0
     while True:
@@ -147,6 +160,8 @@ def _scan(client: Any, report: RedisReport) -> None:
         report.scan_calls += 1
         if page:
             _count_page(client, page, report)
+        if on_page is not None:
+            on_page(len(page), report)
         if int(cursor) == 0:
             return
 
@@ -172,8 +187,8 @@ def _count_page(client: Any, keys: list[bytes], report: RedisReport) -> None:
 
 
 def _namespace_of(key: bytes, report: RedisReport) -> RedisNamespace | None:
-    """The counter of ``kvtier:<namespace>:<key>``'s namespace (None: not that form,
-    or one namespace too many)."""
+    """The counter of ``kvtier:<namespace>:<key>``'s namespace (``report.overflow``
+    once :data:`MAX_NAMESPACES` namespaces have their own; None: not that form)."""
     name_bytes, sep, rest = key[len(KEY_PREFIX):].partition(b":")
     if not sep or not rest:
         return None
@@ -182,7 +197,9 @@ def _namespace_of(key: bytes, report: RedisReport) -> RedisNamespace | None:
     except ValueError:  # UnicodeDecodeError included
         return None
     ns = report.namespaces.get(name)
-    if ns is None and len(report.namespaces) < MAX_NAMESPACES:
+    if ns is None:
+        if len(report.namespaces) >= MAX_NAMESPACES:
+            return report.overflow  # a kvtier block all the same: counted, not shown alone
         ns = report.namespaces[name] = RedisNamespace(name)
     return ns
 
