@@ -655,6 +655,7 @@ class OffloadManager:
             "stores": self.stores,
             "evictions": self.evictions,
             "stores_skipped": self.store_gate.skipped,
+            "stores_below_threshold": self.store_gate.below_threshold,
             "allocation_failures": self.allocation_failures,
             "events_dropped": self._events.dropped,
         }

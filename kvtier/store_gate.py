@@ -20,8 +20,9 @@ class StoreGate:
     """Filters an offer's new keys; counts each key it declines once per request.
 
     Owns the admission tracker (None while ``store_threshold < 2``: every
-    offer passes it), the switch ``policy_admission`` and the counter
-    ``skipped``. Invariants: what passes is a subsequence of the candidates
+    offer passes it), the switch ``policy_admission`` and the counters
+    ``skipped`` (every decline) and ``below_threshold`` (its part the offer
+    count declined). Invariants: what passes is a subsequence of the candidates
     in their order, and what the policy declines is a suffix in token order
     (so a stored block's prefix is stored with it; a hybrid model's offer
     lists its KV groups one after the other, and a suffix of that list would
@@ -30,7 +31,7 @@ class StoreGate:
     its offers). Memory: the tracker's, at most ``max_tracker_size`` keys.
     """
 
-    __slots__ = ("_policy", "_tracker", "policy_admission", "skipped")
+    __slots__ = ("_policy", "_tracker", "below_threshold", "policy_admission", "skipped")
 
     def __init__(self, policy: EvictionPolicy, store_threshold: int,
                  max_tracker_size: int) -> None:
@@ -43,6 +44,11 @@ class StoreGate:
         below store what the CPU tier stores."""
         self.skipped = 0
         """Keys declined, each once per request (``stats()["stores_skipped"]``)."""
+        self.below_threshold = 0
+        """The part of ``skipped`` the offer count declined
+        (``stats()["stores_below_threshold"]``): vLLM's
+        ``vllm:kv_offload_stores_skipped`` counts only these ("reuse threshold
+        not reached"), not the policy's declines."""
 
     def __len__(self) -> int:
         """Keys the tracker counts offers of."""
@@ -57,7 +63,7 @@ class StoreGate:
         if self._tracker is not None:
             candidates, declined = self._tracker.record(candidates, ctx.counted)
             if declined:
-                self._count(declined, ctx)
+                self.below_threshold += self._count(declined, ctx)
         if candidates and self.policy_admission and self._policy.wants_admission:
             ranked = candidates
             n = self._admit(ranked)
@@ -82,15 +88,18 @@ class StoreGate:
                 f"0..{len(keys)}")
         return n
 
-    def _count(self, declined: list[bytes], ctx: RequestContext) -> None:
-        """Add the keys ``ctx`` has not had declined before to ``skipped``."""
+    def _count(self, declined: list[bytes], ctx: RequestContext) -> int:
+        """Add the keys ``ctx`` has not had declined before to ``skipped``;
+        return how many that was."""
         seen = ctx.skipped
         new = [k for k in declined if k not in seen] if seen else declined
         seen.update(new)
         self.skipped += len(new)
+        return len(new)
 
     def clear(self) -> None:
-        """Forget the offer counts (``skipped`` is a counter and stays)."""
+        """Forget the offer counts (``skipped`` and ``below_threshold`` are
+        counters and stay)."""
         if self._tracker is not None:
             self._tracker.clear()
 

@@ -48,6 +48,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers.gated_tier import Gate
 
 from kvtier import OffloadManager, RequestContext, block_key
 from kvtier.results import LookupResult
@@ -612,18 +613,6 @@ def harness_factory(tmp_path: Path) -> Iterator[Callable[..., Harness]]:
 
 
 # ---------------------------------------------------------------- faults it found
-class Gate(DelegatingTier):
-    """A real tier whose ``get_into`` waits for ``opened`` first."""
-
-    def __init__(self, inner: Tier) -> None:
-        super().__init__(inner)
-        self.opened = threading.Event()
-        self.entered = threading.Event()
-
-    def get_into(self, keys: Sequence[bytes], buffers: Sequence[BytesLike]) -> list[int | None]:
-        self.entered.set()
-        self.opened.wait(10)
-        return self.inner.get_into(keys, buffers)
 
 
 def cascade_over(tmp_path: Path, region: SlotRegion, tier: Tier, **kwargs: object) -> TierCascade:

@@ -263,7 +263,9 @@ def test_every_reported_metric_is_defined() -> None:
 
     defs = metric_definitions({"store_threshold": 2})
     stats = {name: 1 for name in ("hits", "misses", "stores", "evictions", "stores_skipped",
-                                  "allocation_failures", "resident", "pinned", "leased",
+                                  "stores_below_threshold", "events_dropped",
+                                  "probes_deferred", "allocation_failures", "resident",
+                                  "pinned", "leased",
                                   "write_pending", "unevictable", "promotions", "probes",
                                   "cascade_writes",
                                   "writes_not_admitted", "write_failures", "dropped_writes",

@@ -178,6 +178,10 @@ class AdaptivePolicy(PLFUPolicy):
         self.rate = rate
         self._threshold = int(rate * (1 << 32))
         self._shadow_capacity = max(self.MIN_SHADOW, round(capacity * rate))
+        self.switches = 0
+        """Configuration switches the shadows chose (and ``configure`` calls);
+        a counter (``vllm:kvtier_policy_switches``): ``clear()`` keeps it, so
+        the switches since its last report are not lost at a cache reset."""
         self._init_adaptive()
 
     def _init_adaptive(self) -> None:
@@ -188,7 +192,6 @@ class AdaptivePolicy(PLFUPolicy):
         self.history_factor, self.admission = self.START
         self.history_limit = self.history_factor * self.capacity
         self._sampled = 0
-        self.switches = 0
         self.turns = TurnTracker(self.TURN_ENDS * self.capacity)
 
     # -- introspection -------------------------------------------------------
@@ -220,7 +223,8 @@ class AdaptivePolicy(PLFUPolicy):
 
     def gauges(self) -> dict[str, int]:
         """The active configuration and how often it changed: ``history_factor``,
-        ``admission`` (1 while on) and ``switches``."""
+        ``admission`` (1 while on) and ``switches`` (never decreases, also
+        across ``clear()``, which returns to ``START`` without counting)."""
         return {"history_factor": self.history_factor, "admission": int(self.admission),
                 "switches": self.switches}
 

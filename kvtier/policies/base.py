@@ -113,7 +113,10 @@ class EvictionPolicy(ABC):
 
     def gauges(self) -> dict[str, int]:
         """The policy's own state worth graphing, by name (none here); the
-        manager's ``stats()`` reports each as ``policy_<name>``."""
+        manager's ``stats()`` reports each as ``policy_<name>``. ``switches``
+        is exported as a counter: keep it across ``clear()`` (one that drops
+        is read as restarted from 0, and the increase since its last report
+        is lost)."""
         return {}
 
     def sizes(self) -> dict[str, int]:

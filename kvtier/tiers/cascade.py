@@ -266,7 +266,6 @@ class TierCascade:
         job.keys.append(key)
         job.slots.append(slots[0])
         self._inflight[key] = job
-        self.counters["promotions"] += 1
         self._writes.note_uses([key], ctx)
         return LookupResult.HIT_PENDING
 
@@ -290,6 +289,9 @@ class TierCascade:
         for job in batches.values():
             job.started = time.monotonic()
             if self._pool.submit(job):
+                # counted here, not when batched: a batch the pool refuses is
+                # promotions_deferred only
+                self.counters["promotions"] += len(job.keys)
                 self._stalls.started(job)
             else:
                 self.counters["promotions_deferred"] += len(job.keys)

@@ -291,7 +291,8 @@ class RankedTier(Tier):
         """``BLOCK_COUNTERS`` per block; ``evictions`` the most of any rank
         (ranks of equal shares, given the same blocks, evict the same ones,
         and a block one rank evicts leaves the others too); other integers
-        (bytes, milliseconds, errors) summed over ranks; the rest from rank 0."""
+        (bytes, milliseconds, errors) summed over ranks, ``events_dropped``
+        also counting this tier's own event log; the rest from rank 0."""
         out = dict(self.ranks[0].stats())
         for tier in self.ranks[1:]:
             for name, value in tier.stats().items():
@@ -300,6 +301,10 @@ class RankedTier(Tier):
                     out[name] = max(old, value) if name == "evictions" else old + value
         blocks = self._blocks.snapshot()
         out.update({name: blocks[name] for name in self.BLOCK_COUNTERS})
+        # the block events this tier's own log dropped, besides the ranks' (the
+        # ranks' events are read into it; either drop loses a block's event)
+        dropped = out.get("events_dropped", 0)
+        out["events_dropped"] = (dropped if isinstance(dropped, int) else 0) + self._events.dropped
         out["ranks"] = len(self.ranks)
         return out
 

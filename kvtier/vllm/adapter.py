@@ -32,7 +32,8 @@ _LOCALITY = {"DISK": Locality.LOCAL, "REDIS": Locality.REMOTE}
 
 _HIT_SOURCE = {"disk": CacheHitSource.DISK}
 """vLLM's hit source of a block promoted from a tier, by tier name (others:
-``EXTERNAL_UNSPECIFIED``, vLLM has no member for a shared remote store)."""
+``EXTERNAL_UNSPECIFIED``, vLLM has no member for a shared remote store; it is
+also vLLM's answer for a source not known)."""
 
 
 MAX_ALLOCATION_SAMPLES = 4096
@@ -41,13 +42,14 @@ not sampled: vLLM reports every step, so this only bounds a stalled logger)."""
 
 
 class _Promoted:
-    """Keys a request waited on a promotion for (its per-request state in
-    vLLM's ``ReqContext``; bounded by the request's blocks)."""
+    """Keys a request waited on a promotion for, each with the tier it came
+    from once known (None until then): its per-request state in vLLM's
+    ``ReqContext``, bounded by the request's blocks."""
 
     __slots__ = ("keys",)
 
     def __init__(self) -> None:
-        self.keys: set[bytes] = set()
+        self.keys: dict[bytes, str | None] = {}
 
 
 _LOOKUP = {
@@ -104,16 +106,28 @@ class KVTierOffloadingManager(OffloadingManager):
             if promoted is None:
                 promoted = _Promoted()
                 req_context.set_state(promoted)
-            promoted.keys.add(key)
+            promoted.keys[key] = None  # a new promotion: its tier is learned at the HIT
+        elif result is LookupResult.HIT:
+            promoted = req_context.get_state(_Promoted)
+            if promoted is not None and key in promoted.keys and promoted.keys[key] is None:
+                # now, while the cascade remembers it (the promotion was just
+                # applied); vLLM asks for the source later in the step
+                promoted.keys[key] = cascade.source_of(key)
         return _LOOKUP[result]
 
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
         """HOST for a block found in CPU; the lower tier's source for one this
-        request waited on a promotion for."""
+        request waited on a promotion for. When that tier is not known (the
+        cascade's bounded memory of sources dropped it before the request saw
+        its hit): the only lower tier, if there is one, else vLLM's "not
+        known" (``EXTERNAL_UNSPECIFIED``)."""
         promoted = req_context.get_state(_Promoted)
-        if self.cascade is None or promoted is None or key not in promoted.keys:
+        cascade = self.cascade
+        if cascade is None or promoted is None or key not in promoted.keys:
             return CacheHitSource.HOST
-        tier = self.cascade.source_of(key)
+        tier = promoted.keys[key] or cascade.source_of(key)
+        if tier is None and len(cascade.tiers) == 1:
+            tier = cascade.tiers[0].name
         return _HIT_SOURCE.get(tier or "", CacheHitSource.EXTERNAL_UNSPECIFIED)
 
     def prepare_load(

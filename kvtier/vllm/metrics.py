@@ -23,14 +23,23 @@ COUNTERS = {
     "misses": "Blocks asked for and not found in kvtier's CPU tier, once per request.",
     "stores": "Blocks stored into kvtier's CPU tier.",
     "evictions": "Blocks evicted from kvtier's CPU tier.",
-    "stores_skipped": "Store candidates refused by admission (store_threshold).",
+    "stores_skipped": "Store candidates declined, each once per request: by the offer "
+                      "count (store_threshold; vllm:kv_offload_stores_skipped counts "
+                      "these alone) and by the adaptive policy's admission (new blocks "
+                      "its history does not know, while vllm:kvtier_policy_admission "
+                      "is 1).",
     "allocation_failures": "Store offers, and promotions from a lower tier, refused because "
                            "no CPU slot could be freed.",
+    "events_dropped": "KV cache events of the CPU tier (each: blocks stored or removed "
+                      "together) dropped, oldest first, because 100,000 were pending "
+                      "(nobody took them).",
 }
 """Counter name (after the prefix) -> help text; values are manager.stats() fields."""
 
 TIER_COUNTERS = {
-    "promotions": "Block promotions from the disk/Redis tiers into CPU slots started.",
+    "promotions": "Block promotions from the disk/Redis tiers into CPU slots handed to "
+                  "the I/O threads (a batch the read queue refused counts in "
+                  "promotions_deferred instead).",
     "promotion_failures": "Promotions that failed (miss, corrupt, I/O error, timeout).",
     "promotion_timeouts": "Blocks whose promotion ran past promotion_timeout_s (a request "
                           "that asked for one meanwhile computed it instead).",
@@ -39,6 +48,8 @@ TIER_COUNTERS = {
                           "past promotion_timeout_s, or every I/O thread's call did (no "
                           "new promotions until it returns).",
     "probes": "Keys whose presence in Redis was checked in a batch (asynchronous lookups).",
+    "probes_deferred": "Keys whose presence check in Redis was not sent because the read "
+                       "queue was full (answered as not found: misses).",
     "cascade_writes": "Blocks written from CPU slots to the disk/Redis tiers.",
     "duplicate_writes_skipped": "Block writes skipped because the tier held the block.",
     "writes_not_admitted": "Block writes refused by a tier's admission (*_store_threshold).",
@@ -62,13 +73,18 @@ PER_TIER_COUNTERS = {
     "read_ms": "Milliseconds I/O threads spent reading this tier (promotions); "
                "divided by tier_hits + tier_misses: the read latency per block.",
     "write_ms": "Milliseconds I/O threads spent writing to this tier.",
+    "events_dropped": "This tier's KV cache events (each: blocks stored or removed "
+                      "together) dropped, oldest first, while as many were pending as "
+                      "the tier keeps (10,000 by default; nobody took them).",
 }
 """Counters of each tier's ``stats()``, labelled ``tier`` (``disk``, ``redis``)."""
 
 TIER_LABELS = ("tier",)
 
 POLICY_COUNTERS = {
-    "policy_switches": "Times the adaptive policy changed its configuration.",
+    "policy_switches": "Times the adaptive policy's shadows switched it to another "
+                       "configuration (a cache reset, which puts it back to its first "
+                       "one, is not counted).",
 }
 """Counters of the eviction policy (``manager.stats()``'s ``policy_*`` fields), reported
 when the policy has them."""
@@ -135,8 +151,10 @@ def fill_stats(
 
     out = OffloadingConnectorStats()
     _vllm_cpu_stats(out, stats, num_blocks, reported, allocation_sizes or [], store_threshold)
-    for name in (*COUNTERS, *(n for n in (*TIER_COUNTERS, *POLICY_COUNTERS) if n in stats)):
+    for name in (*COUNTERS, *(n for n in TIER_COUNTERS if n in stats)):
         _count(out, reported, name, stats[name])
+    for name in (n for n in POLICY_COUNTERS if n in stats):
+        _count(out, reported, name, stats[name], restarts=True)
     for name in ("resident", "pinned", "leased", "write_pending",
                  *(n for n in POLICY_GAUGES if n in stats)):
         out.set_gauge(METRIC_PREFIX + name, stats[name])
@@ -167,20 +185,27 @@ def _vllm_cpu_stats(out: Any, stats: dict[str, int], num_blocks: int,
     for size in allocation_sizes:
         out.observe_histogram(M.CPU_ALLOCATION_SIZE, size)
     allocation_sizes.clear()
-    if store_threshold >= 2:
-        _count(out, reported, "stores_skipped", stats["stores_skipped"], metric=M.STORES_SKIPPED)
+    if store_threshold >= 2:  # vLLM's: "reuse threshold not reached", not the policy's
+        _count(out, reported, "stores_below_threshold", stats["stores_below_threshold"],
+               metric=M.STORES_SKIPPED)
 
 
 def _count(out: Any, reported: dict[str, int], name: str, total: int, tier: str = "",
-           metric: str | None = None) -> None:
+           metric: str | None = None, restarts: bool = False) -> None:
     """Report the increase of counter ``name`` (of ``tier``) since the last call,
-    as ``metric`` (default: kvtier's name for it). A total below the last one
-    restarted from 0 (the adaptive policy's ``switches`` does at a cache
-    reset): all of it is new, as Prometheus reads a counter reset."""
+    as ``metric`` (default: kvtier's name for it).
+
+    kvtier's own totals never decrease (a cache reset keeps them), so the
+    increase is exact. ``restarts``: the total belongs to a part that may
+    start it again from 0 (a plug-in policy's ``switches`` at ``clear()``):
+    a total below the last one is then all new, as Prometheus reads a
+    counter reset (what came between the last report and the restart is
+    lost, so kvtier's own parts do not restart). Otherwise a lower total is
+    not reported."""
     metric = metric or METRIC_PREFIX + name
     slot = f"{metric}|{tier}"
     last = reported.get(slot, 0)
-    delta = total - last if total >= last else total
+    delta = total - last if total >= last or not restarts else total
     reported[slot] = total
     if delta > 0:
         labels = (tier,) if tier else ()
