@@ -28,7 +28,11 @@ from kvtier import OffloadManager, RequestContext
 from kvtier.replay import behind_engine
 from kvtier.replay.behind_engine import ENGINE_BLOCK_TOKENS, replay_behind_engine
 from kvtier.replay.driver import trace_keys
-from kvtier.replay.engine_schedule import ServedRequest
+from kvtier.replay.engine_schedule import (
+    CPU_MAX_NUM_BATCHED_TOKENS,
+    CPU_MAX_NUM_SEQS,
+    ServedRequest,
+)
 from kvtier.replay.trace import TraceRequest
 
 pytest.importorskip("vllm")
@@ -56,6 +60,8 @@ class Logged(OffloadManager):
     def _id(self, key: bytes) -> int:
         if len(key) == 12:  # kvtier.keys.block_key: the lab's keys
             return int.from_bytes(key[:8], "big")
+        if len(key) == 19:  # engine_schedule.private_key: a block its output filled
+            return output_id(int.from_bytes(key[4:12], "big"), int.from_bytes(key[12:], "big"))
         return self.names[bytes(key[:-4])]  # vLLM's OffloadKey: block hash + group
 
     def _log(self, what: str, keys: Iterable[bytes], ctx: RequestContext) -> None:
@@ -78,7 +84,7 @@ class Logged(OffloadManager):
         return super().prepare_load(keys, ctx)
 
     def complete_load(self, keys: Any, ctx: RequestContext) -> None:
-        self._log("loaded", keys, ctx)
+        self._log("loaded", sorted(keys, key=self._id), ctx)  # vLLM passes a set
         super().complete_load(keys, ctx)
 
     def prepare_store(self, keys: Any, ctx: RequestContext) -> Any:
@@ -90,12 +96,28 @@ class Logged(OffloadManager):
         super().on_request_finished(ctx)
 
 
+def block_tokens(hash_id: int) -> list[int]:
+    """The tokens of the block a trace hash id names: its first two spell the
+    id (in base 500), so distinct ids below 250,000 make distinct blocks."""
+    return [3 + hash_id % 500, 3 + hash_id // 500 % 500,
+            *(3 + (hash_id * 37 + t * 11) % 500 for t in range(2, BT))]
+
+
+def output_id(index: int, block: int) -> int:
+    """The logged id of block ``block`` of request ``index`` when its output
+    filled it (its tokens are that request's only: see ``vllm_calls``)."""
+    return -(index * 10_000 + block)
+
+
 class LoggedSpec(OffloadingSpec):
-    """kvtier's adapter over a ``Logged`` manager of ``cpu_blocks`` blocks (vLLM
-    loads it by this module's path and its name)."""
+    """kvtier's adapter over a ``Logged`` manager of ``cpu_blocks`` blocks,
+    lease bounds raised to the whole cache as the lab's
+    (``driver.replay_manager``); vLLM loads it by this module's path and name."""
 
     def get_manager(self) -> Any:
-        return KVTierOffloadingManager(Logged(int(self.extra_config["cpu_blocks"])))
+        blocks = int(self.extra_config["cpu_blocks"])  # lease bounds as the lab's
+        return KVTierOffloadingManager(Logged(blocks, max_leases_per_request=blocks,
+                                              max_leased_blocks=blocks))
 
     def get_worker(self, kv_caches: Any) -> Any:
         raise NotImplementedError("scheduler side only")
@@ -108,9 +130,11 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_llama(tmp_path_factory.mktemp("fidelity") / "tiny-llama")
 
 
-def _scheduler(model: Path, gpu_blocks: int, cpu_blocks: int) -> Any:
-    """vLLM's scheduler over ``gpu_blocks`` blocks (one its null block), 2048
-    tokens per step (the CPU server's default), kvtier behind it."""
+def _scheduler(model: Path, gpu_blocks: int, cpu_blocks: int,
+               batch_tokens: int = CPU_MAX_NUM_BATCHED_TOKENS) -> Any:
+    """vLLM's scheduler over ``gpu_blocks`` blocks (one its null block),
+    ``batch_tokens`` tokens per step (the CPU server's default: 2048), at most
+    128 requests running (the CPU server's default), kvtier behind it."""
     import torch
     from vllm.config import (
         CacheConfig,
@@ -132,7 +156,8 @@ def _scheduler(model: Path, gpu_blocks: int, cpu_blocks: int) -> Any:
         model_config=ModelConfig(model=str(model), tokenizer=str(model), dtype="bfloat16",
                                  max_model_len=4096, seed=0),
         cache_config=CacheConfig(block_size=BT, enable_prefix_caching=True),
-        scheduler_config=SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=128,
+        scheduler_config=SchedulerConfig(max_num_batched_tokens=batch_tokens,
+                                         max_num_seqs=CPU_MAX_NUM_SEQS,
                                          max_model_len=4096, is_encoder_decoder=False),
         kv_transfer_config=KVTransferConfig(
             kv_connector="OffloadingConnector", kv_role="kv_both",
@@ -151,9 +176,16 @@ def _scheduler(model: Path, gpu_blocks: int, cpu_blocks: int) -> Any:
                      log_stats=True)
 
 
-def vllm_calls(model: Path, requests: Sequence[Spec], gpu_blocks: int,
-               cpu_blocks: int) -> list[Call]:
-    """The manager's calls when vLLM serves ``requests`` one at a time."""
+def vllm_calls(model: Path, requests: Sequence[Spec], gpu_blocks: int, cpu_blocks: int,
+               batch_tokens: int | None = None) -> list[Call]:
+    """The manager's calls when vLLM serves ``requests``: one at a time, or,
+    with ``batch_tokens``, all arriving together before the first step and
+    scheduled with that budget per step.
+
+    Request i samples token ``3 + i`` (a real model's outputs differ between
+    requests), so a block its output filled is its own, as the lab keys it
+    (``engine_schedule.private_key``); the log names it ``output_id(i, block)``.
+    """
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
         OffloadingWorkerMetadata,
     )
@@ -163,38 +195,57 @@ def vllm_calls(model: Path, requests: Sequence[Spec], gpu_blocks: int,
     from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
     from vllm.v1.request import Request
 
-    sched = _scheduler(model, gpu_blocks, cpu_blocks)
+    sched = _scheduler(model, gpu_blocks, cpu_blocks, batch_tokens or CPU_MAX_NUM_BATCHED_TOKENS)
     mgr = sched.connector.connector_scheduler.manager.manager
     init_none_hash(sha256)
     hasher = get_request_block_hasher(BT, sha256)
+    made: list[Request] = []
+
+    def name_blocks() -> None:
+        for i, req in enumerate(made):
+            ids = requests[i][0]
+            Logged.names.update(zip(map(bytes, req.block_hashes), ids, strict=False))
+            for j in range(len(ids), len(req.block_hashes)):
+                Logged.names[bytes(req.block_hashes[j])] = output_id(i, j)
+
+    def step() -> None:
+        so = sched.schedule()
+        meta = so.kv_connector_metadata
+        jobs = {**meta.load_jobs, **meta.store_jobs}
+        ran = list(so.num_scheduled_tokens)
+        # schedule() already counted the scheduled tokens as computed: a
+        # request samples when they reach its end (not after a partial chunk)
+        sampled = [[3 + int(r.split("-")[1])]
+                   if sched.requests[r].num_computed_tokens >= sched.requests[r].num_tokens
+                   else [] for r in ran]
+        output = KVConnectorOutput(
+            finished_recving={job.req_id for job in meta.load_jobs.values()} or None,
+            kv_connector_worker_meta=OffloadingWorkerMetadata(
+                completed_jobs=dict.fromkeys(jobs, 1)))
+        sched.update_from_output(so, ModelRunnerOutput(
+            req_ids=ran, req_id_to_index={r: j for j, r in enumerate(ran)},
+            sampled_token_ids=sampled, kv_connector_output=output))
+        name_blocks()
+
     for i, (ids, tail, out) in enumerate(requests):
-        tokens = [3 + (h * 37 + t * 11) % 500 for h in ids for t in range(BT)]
+        tokens = [tok for h in ids for tok in block_tokens(h)]
         tokens += [3 + (i * 13 + t) % 500 for t in range(tail)]
-        req = Request(f"req-{i}", tokens, SamplingParams(max_tokens=out, ignore_eos=True),
-                      None, block_hasher=hasher)
-        Logged.names.update(zip(map(bytes, req.block_hashes), ids, strict=False))
-        sched.add_request(req)
-        while sched.has_requests():  # it runs, finishes, and the engine steps once more
-            so = sched.schedule()
-            meta = so.kv_connector_metadata
-            jobs = {**meta.load_jobs, **meta.store_jobs}
-            ran = list(so.num_scheduled_tokens)
-            sampled = [[5] if sched.requests[r].num_computed_tokens + so.num_scheduled_tokens[r]
-                       >= sched.requests[r].num_tokens else [] for r in ran]
-            output = KVConnectorOutput(
-                finished_recving={job.req_id for job in meta.load_jobs.values()} or None,
-                kv_connector_worker_meta=OffloadingWorkerMetadata(
-                    completed_jobs=dict.fromkeys(jobs, 1)))
-            sched.update_from_output(so, ModelRunnerOutput(
-                req_ids=ran, req_id_to_index={r: j for j, r in enumerate(ran)},
-                sampled_token_ids=sampled, kv_connector_output=output))
+        made.append(Request(f"req-{i}", tokens, SamplingParams(max_tokens=out, ignore_eos=True),
+                            None, block_hasher=hasher))
+        name_blocks()
+        sched.add_request(made[-1])
+        while batch_tokens is None and sched.has_requests():
+            step()  # it runs, finishes, and the engine steps once more
+    while sched.has_requests():
+        step()
     assert isinstance(mgr, Logged)
     return mgr.calls
 
 
 def lab_calls(requests: Sequence[Spec], gpu_blocks: int, cpu_blocks: int,
-              monkeypatch: pytest.MonkeyPatch) -> list[Call]:
-    """The manager's calls when the lab serves ``requests`` (``--gpu-blocks``)."""
+              monkeypatch: pytest.MonkeyPatch, batch_tokens: int | None = None) -> list[Call]:
+    """The manager's calls when the lab serves ``requests`` (``--gpu-blocks``;
+    ``--gpu-batch-tokens`` with ``batch_tokens``)."""
     made: list[Logged] = []
 
     def make(capacity: int, policy: str, store_threshold: int,
@@ -206,7 +257,7 @@ def lab_calls(requests: Sequence[Spec], gpu_blocks: int, cpu_blocks: int,
     monkeypatch.setattr(behind_engine, "replay_manager", make)
     served = [ServedRequest(trace_keys([TraceRequest(0, 1, 1, tuple(ids))])[0],
                             BT * len(ids) + tail, out) for ids, tail, out in requests]
-    replay_behind_engine(served, cpu_blocks, gpu_blocks=gpu_blocks)
+    replay_behind_engine(served, cpu_blocks, gpu_blocks=gpu_blocks, batch_tokens=batch_tokens)
     return made[0].calls
 
 

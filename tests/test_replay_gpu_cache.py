@@ -434,11 +434,13 @@ def test_scheduler_admits_a_whole_prompt_or_waits_asking_again(
     assert (r.queried_tokens, r.mean_running, r.max_running) == (72 + 104, 3 / 5, 1)
 
 
-def test_scheduler_keeps_the_blocks_loading_prefills_still_need(
+def test_scheduler_admits_a_load_whose_blocks_fit_past_the_prefills_in_flight(
         recording: list[Recording]) -> None:
     # 8 usable blocks. r0, r1 run together, r2 (8 blocks) evicts all their blocks;
-    # r3 and r4 then hit kvtier. r3 loads and will need 2 more blocks: r4 (5 blocks,
-    # 6 free) must leave them (_inflight_prefill_reserved_blocks) and waits
+    # r3 and r4 then hit kvtier. r3 loads and will need 2 more blocks; r4's whole
+    # sequence (5 blocks) fits the 6 free ones and its load (2 blocks) fits what
+    # r3 leaves (_inflight_prefill_reserved_blocks): both load in one step, as
+    # vLLM 0.32's Scheduler does (tests/test_lab_fidelity_saturated.py)
     reqs = [sr([1, 2], tail=8), sr([3, 4], tail=8), sr(range(9, 16), tail=8),
             sr([1, 2, 7], tail=8), sr([3, 4, 16, 17], tail=8)]
     saturated(reqs, 9, CPU_MAX_NUM_BATCHED_TOKENS, capacity=20)
@@ -448,12 +450,10 @@ def test_scheduler_keeps_the_blocks_loading_prefills_still_need(
         ("offer", [1, 2]), ("offer", [3, 4]),
         ("lookup", filler), ("lookup", [1, 2, 7]), ("offer", filler),  # step 2
         ("finish", [0]), ("finish", [1]),
-        ("lookup", [1, 2, 7]), ("load", [1, 2]), ("lookup", [3, 4, 16, 17]),  # step 3
-        ("finish", [2]),
-        ("lookup", [3, 4, 16, 17]), ("offer", [7]),  # step 4: r3 computes
-        ("lookup", [3, 4, 16, 17]), ("load", [3, 4]), ("finish", [3]),  # step 5
-        ("offer", [16, 17]),  # step 6
-        ("finish", [4]),
+        ("lookup", [1, 2, 7]), ("load", [1, 2]),  # step 3: both load
+        ("lookup", [3, 4, 16, 17]), ("load", [3, 4]), ("finish", [2]),
+        ("offer", [7]), ("offer", [16, 17]),  # step 4: both compute
+        ("finish", [3]), ("finish", [4]),
     ]
 
 

@@ -15,7 +15,11 @@ have keys: ``Request.block_hashes``), with e engine-hit blocks:
   by one until the first miss, up to the last full block (the cap is
   ``num_tokens``, not ``num_tokens - 1``: the last block of an aligned prompt
   can be loaded; the scheduler then recomputes only its last token). It is
-  asked at every step the request waits to be admitted;
+  asked at every step the request waits to be admitted; a resumed
+  (preempted) request's full blocks include those its output filled, which
+  kvtier is asked about as well (never offered, so a miss). A request with a
+  hit that another request is loading in this step is answered "not yet"
+  (``_chunks_being_loaded``) and asked again next step;
 * load (``update_state_after_alloc``): the h hits are loaded into new engine
   blocks (``prepare_load`` at admission, ``complete_load`` after the step);
 * store offers (``build_connector_meta`` → ``_build_store_jobs``): at each step
@@ -75,6 +79,7 @@ from kvtier.replay.engine_schedule import (
     SaturatedScheduler,
     ServedRequest,
     cdiv,
+    private_key,
 )
 from kvtier.replay.gpu_cache import GpuPrefixCache
 from kvtier.replay.serving_trace import DEFAULT_OUTPUT_CAP, scaled
@@ -185,7 +190,8 @@ class KvtierConnector:
 
     Owns each request's context while the engine holds it or has asked about
     it, the next block each will offer, the loads and stores issued in the
-    current step, and the counts. Only manager calls are timed.
+    current step (and the set of keys those loads carry, cleared at each step's
+    end), and the counts. Only manager calls are timed.
     """
 
     def __init__(self, mgr: OffloadManager, requests: Sequence[ServedRequest],
@@ -199,6 +205,7 @@ class KvtierConnector:
         self._ctx: dict[int, RequestContext] = {}
         self._next_store: dict[int, int] = {}
         self._loads: list[tuple[list[bytes], RequestContext]] = []
+        self._loading_keys: set[bytes] = set()
         self._stores: list[tuple[list[bytes], RequestContext]] = []
 
     def _context(self, index: int) -> RequestContext:
@@ -209,15 +216,29 @@ class KvtierConnector:
             ctx.set_positions(self.requests[index].keys, bt, bt)
         return ctx
 
-    def get_num_new_matched(self, index: int, engine_hits: int) -> int:
-        """kvtier's leading hits among the full prompt blocks past the engine hit."""
-        queried = self.requests[index].keys[engine_hits:]
+    def get_num_new_matched(self, index: int, engine_hits: int,
+                            num_tokens: int) -> int | None:
+        """kvtier's leading hits among the request's full blocks past the engine
+        hit: its prompt blocks, and for a resumed request also the blocks its
+        output filled (vLLM asks about every full block of ``num_tokens``;
+        kvtier never holds an output block, so the run ends at the first).
+        None when a hit is being loaded for another request in this step
+        (vLLM's ``_chunks_being_loaded``: the request is asked again next step)."""
+        request, bt = self.requests[index], self.block_tokens
+        queried = request.keys[engine_hits:]
+        full = num_tokens // bt
+        if full > len(request.keys):
+            queried = [*queried, *(private_key(index, b)
+                                   for b in range(max(engine_hits, len(request.keys)), full))]
         if not queried:
             return 0
         ctx = self._context(index)
         start = time.perf_counter()
         hits = self.mgr.lookup(queried, ctx)
         self.counts.seconds += time.perf_counter() - start
+        loading = self._loading_keys
+        if loading and any(key in loading for key in queried[:hits]):
+            return None
         return hits
 
     def update_state_after_alloc(self, index: int, engine_hits: int, hits: int,
@@ -237,6 +258,7 @@ class KvtierConnector:
         self.mgr.prepare_load(loaded, ctx)
         counts.seconds += time.perf_counter() - start
         self._loads.append((loaded, ctx))
+        self._loading_keys.update(loaded)
         self._next_store[index] = engine_hits + hits
 
     def build_meta(self, scheduled: Sequence[tuple[int, int]],
@@ -282,6 +304,7 @@ class KvtierConnector:
             mgr.complete_store(keys, ctx)
         self.counts.seconds += time.perf_counter() - start
         self._loads.clear()
+        self._loading_keys.clear()
         self._stores.clear()
 
     def _report(self, finished: int) -> None:
@@ -310,7 +333,7 @@ class QueryRecorder:
         self.streams: list[list[bytes]] = []
         self.query_tokens = 0
 
-    def get_num_new_matched(self, index: int, engine_hits: int) -> int:
+    def get_num_new_matched(self, index: int, engine_hits: int, num_tokens: int) -> int:
         """Nothing to load."""
         return 0
 

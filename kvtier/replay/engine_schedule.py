@@ -43,13 +43,17 @@ group, chunked prefill on, FCFS):
   CPU platform's server). Requests whose connector load finished come first
   (``kv_holding_waiting``). A new request's engine hit (capped at
   ``num_tokens - 1`` tokens) is taken, then the connector is asked for more
-  (``get_num_new_matched_tokens``; asked again at every step the request waits).
-  It is admitted when the free blocks cover its whole prompt
+  (``get_num_new_matched_tokens``; asked again at every step the request waits;
+  a resumed request is asked about the blocks its output filled too). A
+  request the connector cannot answer for yet (one of its hits is being
+  loaded for another request) is passed over for this step and keeps its
+  place (``skip_request``); the pass goes on with the next. A request is
+  admitted when the free blocks cover its whole sequence
   (``scheduler_reserve_full_isl``, default True: ``allocate_slots(...,
   full_sequence_must_fit=True)``), else the pass ends (FCFS). With connector
   hits it only takes its hit and loaded blocks and waits for the load (an
-  asynchronous load, admitted only within the free blocks less what other
-  in-flight prefills still need: ``_inflight_prefill_reserved_blocks``);
+  asynchronous load: those blocks must also fit in the free blocks less what
+  other in-flight prefills still need, ``_inflight_prefill_reserved_blocks``);
   the loaded blocks are cached when the load is done
   (``_update_waiting_for_remote_kv``), and a fully loaded prompt recomputes
   its last token;
@@ -62,9 +66,8 @@ group, chunked prefill on, FCFS):
   (``request_finished`` → the manager's ``on_request_finished``) in the next
   step's ``build_connector_meta``, after that step's lookups and stores.
 
-Not modelled: arrival times (the queue is never empty), lookups the connector
-defers (a hit whose block another request is loading delays the request a
-step), sliding windows, speculative decoding. Memory: the block pool's
+Not modelled: arrival times (the queue is never empty), sliding windows,
+speculative decoding, loads and stores that outlast their step. Memory: the block pool's
 O(``gpu_blocks``) and O(1) per request of the trace besides its keys (its
 state, and the private keys of its decode blocks once it has some).
 """
@@ -74,7 +77,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Literal, Protocol
 
 from kvtier.replay.gpu_cache import GpuPrefixCache
 
@@ -99,8 +102,10 @@ class Connector(Protocol):
     """The connector calls the engine models make (vLLM's ``KVConnectorBase_V1``
     scheduler side, reduced to what the offloading connector does here)."""
 
-    def get_num_new_matched(self, index: int, engine_hits: int) -> int:
-        """Blocks past the engine hit the connector can load for request ``index``."""
+    def get_num_new_matched(self, index: int, engine_hits: int, num_tokens: int) -> int | None:
+        """Blocks past the engine hit the connector can load for request
+        ``index``, now ``num_tokens`` long (a resumed request's output too);
+        None when it cannot tell yet (the request waits a step)."""
 
     def update_state_after_alloc(self, index: int, engine_hits: int, hits: int,
                                  num_tokens: int, preempted: bool) -> None:
@@ -258,7 +263,8 @@ class FixedFront:
         counts.steps += 1
         counts.running_sum += len(running)
         counts.max_running = max(counts.max_running, len(running))
-        kv_hits = self.connector.get_num_new_matched(r.index, hits)
+        # nothing loads in a step a request arrives in, so no lookup is deferred
+        kv_hits = self.connector.get_num_new_matched(r.index, hits, prompt) or 0
         self.connector.update_state_after_alloc(r.index, hits, kv_hits, prompt, False)
         computed = hits * bt
         if kv_hits:  # the load's step: r is not scheduled in it, so offers nothing
@@ -290,6 +296,16 @@ class FixedFront:
 
 class SaturatedScheduler:
     """vLLM's scheduler over a queue that never runs dry (see the module doc).
+
+    Checked against vLLM 0.32's own ``Scheduler`` with requests arriving
+    together (``tests/test_lab_fidelity_saturated.py``): kvtier gets the same
+    calls in the same order. What still differs: vLLM tells the connector of
+    the requests that finished in one step in no set order (a set), this model
+    in admission order; its ``_inflight_prefills`` holds a resumed request
+    until it has recomputed its output too, where ``_reserved`` counts a
+    running request only while it is short of its prompt (not seen to change
+    the calls); and every load or store here completes in the step it was
+    issued in.
 
     Owns the waiting queue (requests not admitted, trace order; preempted ones
     back at its front), the requests holding loaded blocks, the running list
@@ -370,7 +386,15 @@ class SaturatedScheduler:
         return budget, preempted
 
     def _admit_waiting(self, budget: int, scheduled: list[tuple[_Req, int]]) -> None:
-        """Admit waiting requests while budget, slots and blocks allow (FCFS)."""
+        """Admit waiting requests while budget, slots and blocks allow (FCFS);
+        a request whose lookup the connector deferred is passed over for this
+        step and keeps its place at the queue's front (vLLM's ``skip_request``)."""
+        skipped: list[_Req] = []
+        self._admit_in_order(budget, scheduled, skipped)
+        self._waiting.extendleft(reversed(skipped))
+
+    def _admit_in_order(self, budget: int, scheduled: list[tuple[_Req, int]],
+                        skipped: list[_Req]) -> None:
         cache, bt = self.cache, self.block_tokens
         while budget > 0 and len(self._running) < self.max_seqs:
             queue = self._holding or self._waiting
@@ -382,10 +406,12 @@ class SaturatedScheduler:
                     return
             else:
                 admitted = self._admit_new(r)
-                if admitted is None:
+                if admitted == "full":
                     return
-                if admitted:  # loading: holds its blocks, computes nothing yet
+                if admitted != "run":  # loading (holds its blocks) or deferred
                     queue.popleft()
+                    if admitted == "deferred":
+                        skipped.append(r)
                     continue
             queue.popleft()
             n = min(r.num_tokens - r.computed, budget)
@@ -394,28 +420,34 @@ class SaturatedScheduler:
             scheduled.append((r, n))
             budget -= n
 
-    def _admit_new(self, r: _Req) -> bool | None:
-        """Look ``r`` up and admit it: None when it does not fit (the pass ends),
-        True when it waits for a load, False when it is ready to compute."""
+    def _admit_new(self, r: _Req) -> Literal["full", "deferred", "load", "run"]:
+        """Look ``r`` up and admit it: "full" when it does not fit (the pass
+        ends), "deferred" when the connector cannot answer yet (its hits are
+        being loaded for another request), "load" when it waits for a load,
+        "run" when it is ready to compute."""
         cache, bt = self.cache, self.block_tokens
         tokens = r.num_tokens
         keys = r.full_keys(tokens // bt)
         hits = cache.match(keys, (tokens - 1) // bt)
-        kv_hits = self.connector.get_num_new_matched(r.index, hits)
-        need = cache.admission_cost(keys, hits, cdiv(tokens, bt))
-        reserved = self._reserved() if kv_hits else 0
-        if need > cache.free_blocks - reserved:
-            return None
+        kv_hits = self.connector.get_num_new_matched(r.index, hits, tokens)
+        if kv_hits is None:
+            return "deferred"
+        if cache.admission_cost(keys, hits, cdiv(tokens, bt)) > cache.free_blocks:
+            return "full"  # its whole sequence must fit (scheduler_reserve_full_isl)
+        if kv_hits and (cache.admission_cost(keys, hits, hits + kv_hits)
+                        > cache.free_blocks - self._reserved()):
+            return "full"  # an asynchronous load takes only its blocks, within
+            # what the prefills in flight leave (allocate_slots' reserved_blocks)
         cache.start(r.name, keys, hits)
         r.count(self.counts, hits, bt)
         self.connector.update_state_after_alloc(r.index, hits, kv_hits, tokens, r.preempted)
         r.computed = hits * bt
         if not kv_hits:
-            return False
+            return "run"
         cache.grow(r.name, hits + kv_hits)
         r.loaded = hits + kv_hits
         self._loading.append(r)
-        return True
+        return "load"
 
     def _reserved(self) -> int:
         """Blocks the prefills in flight still need (``_inflight_prefill_reserved_blocks``)."""
