@@ -106,8 +106,11 @@ class OffloadManager:
 
     # -- request state -------------------------------------------------------
 
-    def _sync(self, ctx: RequestContext) -> None:
-        """Bind ``ctx`` to this manager's current epoch (a reset restarts it)."""
+    def bind(self, ctx: RequestContext) -> None:
+        """Bind ``ctx`` to this manager's current epoch, as every call taking it
+        does: a context from before a ``reset()`` starts its per-request state
+        over. Public for a caller that reads that state before its first
+        manager call (the tier cascade counts a request's uses once per request)."""
         try:
             if ctx.owner is self and ctx.epoch == self._epoch:
                 return
@@ -146,7 +149,7 @@ class OffloadManager:
         loads them, releases them or finishes. When ``ctx`` or the cache has no
         lease budget left, the run ends early (a shorter hit, never a bad one).
         """
-        self._sync(ctx)
+        self.bind(ctx)
         keys = check_keys(keys)
         if keys and ctx.first_asked is None:
             ctx.first_asked = keys[0]
@@ -191,7 +194,7 @@ class OffloadManager:
 
     def lookup_one(self, key: bytes, ctx: RequestContext) -> LookupResult:
         """Classify one key; a HIT is leased to ``ctx`` (MISS when out of lease budget)."""
-        self._sync(ctx)
+        self.bind(ctx)
         check_keys((key,))
         if ctx.first_asked is None:
             ctx.first_asked = key
@@ -207,7 +210,7 @@ class OffloadManager:
 
     def release(self, ctx: RequestContext) -> None:
         """Drop the leases ``ctx`` still holds (keys it looked up but will not load)."""
-        self._sync(ctx)
+        self.bind(ctx)
         self._drop_leases(ctx)
 
     def _drop_leases(self, ctx: RequestContext) -> None:
@@ -240,7 +243,7 @@ class OffloadManager:
         Raises ``MissingBlocksError`` (nothing changed) when a key is not
         resident and ready. A lease of ``ctx`` on a key becomes the pin.
         """
-        self._sync(ctx)
+        self.bind(ctx)
         keys = check_keys(keys)
         slot, writing = self._slot, self._writing
         missing = [k for k in keys if k not in slot or k in writing]
@@ -268,7 +271,7 @@ class OffloadManager:
         Raises ``ProtocolError`` (nothing changed) for a key ``ctx`` has no
         pending load of.
         """
-        self._sync(ctx)
+        self.bind(ctx)
         keys = check_keys(keys)
         stale_left = None
         if ctx.stale_loads:
@@ -309,7 +312,7 @@ class OffloadManager:
         reuses. Granted keys are WRITING until ``complete_store``.
         ``ProtocolError`` when the policy's ``evict`` breaks its contract.
         """
-        self._sync(ctx)
+        self.bind(ctx)
         keys = check_keys(keys)
         candidates = self._record_offer(keys, ctx)
         if candidates:
@@ -448,7 +451,7 @@ class OffloadManager:
         Raises ``ProtocolError`` (nothing changed) for a key ``ctx`` was not
         granted or already completed; stores from before a ``reset()`` are ignored.
         """
-        self._sync(ctx)
+        self.bind(ctx)
         keys = check_keys(keys)
         stale_left = None
         if ctx.stale_stores:
@@ -572,7 +575,7 @@ class OffloadManager:
         Recency does not need it: loads and offers are recorded already. It
         serves callers with other hits to report, such as GPU prefix-cache hits.
         """
-        self._sync(ctx)
+        self.bind(ctx)
         keys = check_keys(keys)
         ctx.log_access(keys)
         if self._wants_reuse:
@@ -588,7 +591,7 @@ class OffloadManager:
         policy that keeps a history must count that use. Completions of its
         loads and stores may still arrive afterwards.
         """
-        self._sync(ctx)
+        self.bind(ctx)
         self._drop_leases(ctx)
         if ctx.access_log:
             keys = ctx.access_order()

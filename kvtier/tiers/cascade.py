@@ -203,6 +203,7 @@ class TierCascade:
             if time.monotonic() - job.started > self.promotion_timeout_s:
                 self._note_overdue(job)
                 return LookupResult.MISS
+            self.manager.bind(ctx)  # a context a reset outlived counts anew
             self._writes.note_uses([key], ctx)
             return LookupResult.HIT_PENDING
         result = self.manager.lookup_one(key, ctx)
@@ -413,6 +414,7 @@ class TierCascade:
     ) -> PrepareStoreOutput | None:
         """``manager.prepare_store``, counting the offer as a use of each key."""
         keys = list(keys)
+        self.manager.bind(ctx)  # a context a reset outlived counts anew
         self._writes.note_uses(keys, ctx)
         return self.manager.prepare_store(keys, ctx)
 
