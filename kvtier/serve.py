@@ -316,10 +316,18 @@ def note_stale_gauges(vllm_args: Sequence[str]) -> None:
 
 
 def print_command(argv: list[str], env: dict[str, str]) -> None:
-    """The equivalent ``vllm serve`` line on stdout; where secrets must be, on stderr."""
+    """The equivalent ``vllm serve`` line on stdout; where secrets must be, and
+    on vLLM's CPU build how to run the line (its ``vllm`` script cannot start:
+    ``kvtier.launch``), on stderr."""
+    from kvtier.launch import CPU_DISTRIBUTION, installed_vllm
+
     print(shlex.join(["vllm", *argv]))
     if env:
         print("# secrets are read from the environment: set " + ", ".join(sorted(env)),
+              file=sys.stderr)
+    if installed_vllm() == CPU_DISTRIBUTION:
+        print("# vLLM's CPU build: its vllm script cannot start; run the line as "
+              "'python -m kvtier.launch serve ...' (the same arguments after 'vllm')",
               file=sys.stderr)
 
 

@@ -300,3 +300,16 @@ def test_the_stats_fields_the_readme_lists_are_the_managers() -> None:
     listed = {name for name in re.findall(r"`(\w+)`", text)
               if not name.endswith("_") and name != "adaptive"}
     assert listed == set(OffloadManager(num_blocks=8, policy="default").stats())
+
+
+def test_the_reset_route_the_readme_names_says_it_needs_dev_mode() -> None:
+    """vLLM 0.32 serves ``POST /reset_prefix_cache`` only in its dev mode: a
+    user who sent it as the README showed got 404 and no reset."""
+    import inspect
+
+    pytest.importorskip("vllm")
+    from vllm.entrypoints.launchers.api_server import routers
+
+    assert "VLLM_SERVER_DEV_MODE" in inspect.getsource(routers)
+    for mention in re.finditer(r"POST /reset_prefix_cache", TEXT):
+        assert "VLLM_SERVER_DEV_MODE=1" in TEXT[mention.start():mention.start() + 300]

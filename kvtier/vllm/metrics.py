@@ -99,7 +99,8 @@ POLICY_GAUGES = {
 
 GAUGES = {
     "resident": "Blocks held in kvtier's CPU tier.",
-    "pinned": "Resident blocks being read by a load.",
+    "pinned": "Resident blocks being read: by a load to the engine, or by a write "
+              "to the disk/Redis tiers.",
     "leased": "Resident blocks leased to requests between lookup and load.",
     "write_pending": "Resident blocks whose store is in flight.",
     "usage_ratio": "Fraction of kvtier's CPU slots in use.",
@@ -201,12 +202,18 @@ def _count(out: Any, reported: dict[str, int], name: str, total: int, tier: str 
     a total below the last one is then all new, as Prometheus reads a
     counter reset (what came between the last report and the restart is
     lost, so kvtier's own parts do not restart). Otherwise a lower total is
-    not reported."""
+    not reported.
+
+    The first report of a counter is sent even at 0: vLLM creates a labelled
+    Prometheus series only when it is first increased, and a series that
+    appears at its first error count (``tier_errors`` at 5) shows no
+    ``increase()`` or ``rate()``, so an alert on it would miss the first outage."""
     metric = metric or METRIC_PREFIX + name
     slot = f"{metric}|{tier}"
+    first = slot not in reported
     last = reported.get(slot, 0)
     delta = total - last if total >= last or not restarts else total
     reported[slot] = total
-    if delta > 0:
+    if delta > 0 or first:
         labels = (tier,) if tier else ()
         out.increase_counter(metric, delta, labels)
