@@ -47,20 +47,29 @@ _UNITS = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
           "KI": 1 << 10, "MI": 1 << 20, "GI": 1 << 30, "TI": 1 << 40}
 
 
-def byte_size(text: str) -> int:
+def parse_byte_size(text: str) -> int:
     """Parse a byte count >= 1: ``8000000000``, ``8e9``, ``8G``/``8GB`` (10**9) or
-    ``8Gi``/``8GiB`` (2**30) (an argparse ``type``)."""
+    ``8Gi``/``8GiB`` (2**30); ``ValueError`` saying what is wrong. The one parser
+    of sizes: the command-line flags (``byte_size``) and the byte-size settings
+    (``kvtier.vllm.settings.BYTE_KEYS``) both read sizes with it."""
     raw = text.strip().upper().removesuffix("B")
     number = raw.rstrip("KMGTI")
     unit = raw[len(number):]
     try:
         value = float(number) * _UNITS[unit]
     except (KeyError, ValueError):
-        raise argparse.ArgumentTypeError(
-            f"not a byte count: {text!r} (e.g. 8000000000, 8G, 8GiB)") from None
+        raise ValueError(f"not a byte count: {text!r} (e.g. 8000000000, 8G, 8GiB)") from None
     if value != value or value < 1 or value > 1 << 62 or value != int(value):
-        raise argparse.ArgumentTypeError(f"not a whole byte count >= 1: {text!r}")
+        raise ValueError(f"not a whole byte count >= 1: {text!r}")
     return int(value)
+
+
+def byte_size(text: str) -> int:
+    """``parse_byte_size`` as an argparse ``type`` (its error is argparse's)."""
+    try:
+        return parse_byte_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def int_list(text: str) -> list[int]:

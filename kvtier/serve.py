@@ -102,7 +102,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--store-threshold", type=positive_int, default=None, metavar="K",
                    help="requests that must offer a new block before it is stored (default 1)")
     p.add_argument("--disk-path", default=None, metavar="DIR",
-                   help="directory of a disk tier below the CPU tier")
+                   help="directory of a disk tier below the CPU tier (a leading ~ is "
+                   "expanded, also after '=')")
     p.add_argument("--disk-bytes", type=byte_size, default=None, metavar="N",
                    help="bytes the disk tier may keep (required with --disk-path)")
     p.add_argument("--redis-url", default=None, metavar="URL",
@@ -131,12 +132,17 @@ def _text_settings() -> frozenset[str]:
 
 def _setting_value(key: str, text: str) -> Any:
     """``--kvtier KEY=VALUE``'s value: JSON, else text; a text setting's value
-    is text unless given as a JSON string."""
+    is text unless given as a JSON string, a byte-size setting's an int or
+    text (``10GiB``, ``8e9``: the settings read sizes as the flags do)."""
+    from kvtier.vllm.settings import BYTE_KEYS
+
     try:
         value = json.loads(text)
     except ValueError:
         return text
     if key in _text_settings() and not isinstance(value, str):
+        return text
+    if key in BYTE_KEYS and isinstance(value, float):  # 8e9: a size, as the flags read it
         return text
     return value
 
@@ -144,7 +150,7 @@ def _setting_value(key: str, text: str) -> Any:
 def extra_config(args: argparse.Namespace) -> dict[str, Any]:
     """The ``kv_connector_extra_config`` the flags ask for, validated by the
     plug-in's rules (``ServeError`` naming the bad flag or key)."""
-    from kvtier.vllm.settings import ConfigError, KVTierSettings
+    from kvtier.vllm.settings import BYTE_KEYS, ConfigError, KVTierSettings
 
     extra: dict[str, Any] = dict(SPEC)
     given: set[str] = set()
@@ -178,7 +184,47 @@ def extra_config(args: argparse.Namespace) -> dict[str, Any]:
         flag = "--cpu-bytes" if args.cpu_bytes is not None else "cpu_bytes_to_use"
         check_cpu_tier_room(settings.cpu_bytes_to_use, flag)
     check_tier_places(settings.disk_path, settings.redis_url)
+    # vLLM gets the values the settings read: sizes as ints, ~ expanded here
+    # (the engine's home may differ from the user's)
+    for key in (*BYTE_KEYS, "disk_path"):
+        if key in extra:
+            extra[key] = getattr(settings, key)
     return extra
+
+
+def check_one_block_per_slot(extra: dict[str, Any], vllm_args: Sequence[str]) -> None:
+    """``ServeError`` for a ``block_size``/``blocks_per_chunk`` that makes vLLM
+    move several engine blocks as one chunk: the engine refuses it
+    (``KVTierSpec``) only once it has loaded its weights. A ``block_size``
+    equal to ``--block-size`` (one block per chunk) is harmless; without
+    ``--block-size`` the engine's block size is not known here."""
+    from kvtier.vllm.settings import one_block_per_slot_error
+
+    chunk, size = extra.get("blocks_per_chunk"), extra.get("block_size")
+    if chunk is None and size is None:
+        return
+    engine = _option_value(vllm_args, ("--block-size", "--block_size"))
+    if chunk is not None:
+        if size is None and _as_int(chunk) == 1:
+            return
+        given = f"blocks_per_chunk={chunk}"
+        if size is not None:
+            given += f" and block_size={size}"
+    else:
+        tokens = _as_int(size)
+        if tokens is not None and engine is not None and tokens == _as_int(engine):
+            return
+        given = (f"block_size={size} (a chunk of several engine blocks unless it equals "
+                 f"--block-size, {'which is ' + engine if engine else 'not given'})")
+    raise ServeError(f"kvtier configuration: {one_block_per_slot_error(given)}")
+
+
+def _as_int(value: object) -> int | None:
+    """``value`` as vLLM reads a chunk setting (``int(value)``); None if it cannot."""
+    try:
+        return int(value)  # type: ignore[call-overload]
+    except (TypeError, ValueError):
+        return None
 
 
 def check_cpu_tier_room(cpu_bytes: int, flag: str = "--cpu-bytes") -> None:
@@ -333,7 +379,9 @@ def print_command(argv: list[str], env: dict[str, str]) -> None:
 
 def run(args: argparse.Namespace, vllm_args: Sequence[str]) -> int:
     """``kvtier serve``: validate, then become the server (or print the command)."""
-    public, env = without_secrets(extra_config(args))
+    extra = extra_config(args)
+    check_one_block_per_slot(extra, vllm_args)
+    public, env = without_secrets(extra)
     argv = vllm_arguments(vllm_args, public)
     note_stale_gauges(vllm_args)
     if args.print_command:

@@ -36,6 +36,9 @@ allkeys-lru`` (or ``volatile-lru`` when ``ttl_s`` is set, so only kvtier's keys
 are evicted): the server then evicts the least recently used blocks. Under
 ``noeviction`` a full server refuses SETs (OOM): those stores are dropped and
 counted, the tier keeps serving reads. ``ttl_s`` gives every value an expiry.
+A server without ``maxmemory`` (Debian's default) or under ``noeviction`` gets
+one warning, when the tier first reaches it (or ``check()`` runs), naming the
+fix; a server that refuses INFO gets none, and neither fails the tier.
 
 Failures: every call has ``socket_timeout_s`` (and ``connect_timeout_s``), and
 redis-py's own retries are off. Resolving the server's host name, which
@@ -221,6 +224,8 @@ class RedisTier(Tier):
         )
         self._closed = False
         self._scripts_allowed = True  # until the server refuses EVAL (an ACL user)
+        self._bounds_lock = threading.Lock()
+        self._bounds_checked = False  # the server's maxmemory looked at (once per tier)
         if not self.cluster:
             self._client()  # parses the URL now (no connection yet): bad URLs fail here
 
@@ -351,7 +356,29 @@ class RedisTier(Tier):
             self._breaker.record_no_verdict(permit)
             raise
         self._breaker.record_success(permit)
+        if not self._bounds_checked:
+            self._check_server_bounds()
         return result
+
+    def _check_server_bounds(self, replies: list[Mapping[str, Any]] | None = None) -> None:
+        """Warn once, when the tier first reaches its server (or ``check()``
+        runs), if the server would keep kvtier's blocks without bound (see
+        ``unbounded_server_warning``). ``replies``: INFO memory read already
+        (``_memory_replies``); else it is read now (one round trip, once).
+        Advisory: a refused or failed INFO (an ACL user without ``info``)
+        gives no warning, and nothing here fails a call."""
+        with self._bounds_lock:
+            if self._bounds_checked:
+                return
+            self._bounds_checked = True
+        try:
+            if replies is None:
+                replies = _memory_replies(self._client().info("memory"))
+            warnings = [w for w in map(unbounded_server_warning, replies) if w]
+        except Exception:  # advisory: any failure (refused, closed, timed out) is no warning
+            return
+        if warnings:  # one warning, not one per cluster node
+            logger.warning("kvtier redis tier %s: %s", self.safe_url, warnings[0])
 
     def _call(self, fn: Callable[[Any], T]) -> T:
         """``fn(client)``; what it raises once the tier is closed becomes
@@ -686,7 +713,9 @@ class RedisTier(Tier):
         """PING the server now (bypassing the breaker) and describe it.
 
         Returns ``redis_version``, ``maxmemory`` and ``maxmemory_policy`` where the
-        server tells them. Raises :class:`TierUnavailableError` (URL redacted).
+        server tells them (and warns, once per tier, of a server without bound:
+        ``unbounded_server_warning``). Raises :class:`TierUnavailableError`
+        (URL redacted).
         """
         try:
             client = self._client()
@@ -697,17 +726,16 @@ class RedisTier(Tier):
             ) from None
         info: dict[str, Any] = {}
         try:
-            raw = client.info("memory")
-            if self.cluster and raw and all(isinstance(v, dict) for v in raw.values()):
-                raw = next(iter(raw.values()))
-            info["maxmemory"] = int(raw.get("maxmemory", 0))
-            info["maxmemory_policy"] = raw.get("maxmemory_policy", "")
+            replies = _memory_replies(client.info("memory"))
+            info["maxmemory"] = int(replies[0].get("maxmemory", 0))
+            info["maxmemory_policy"] = replies[0].get("maxmemory_policy", "")
+            self._check_server_bounds(replies)
             server = client.info("server")
             if self.cluster and server and all(isinstance(v, dict) for v in server.values()):
                 server = next(iter(server.values()))
             info["redis_version"] = server.get("redis_version", "")
-        except (RedisError, RedisClusterException, OSError):
-            pass
+        except (RedisError, RedisClusterException, OSError, TypeError, ValueError):
+            pass  # a server that will not say (an ACL user without info)
         return info
 
     def stats(self) -> dict[str, int | float | str]:
@@ -737,6 +765,35 @@ class RedisTier(Tier):
 
     def __repr__(self) -> str:
         return f"RedisTier({self.safe_url!r}, namespace={self.namespace!r})"
+
+
+def _memory_replies(raw: Any) -> list[Mapping[str, Any]]:
+    """INFO memory's sections: one, or a cluster client's one per node."""
+    if isinstance(raw, Mapping) and raw and all(isinstance(v, Mapping) for v in raw.values()):
+        return list(raw.values())
+    if not isinstance(raw, Mapping):
+        raise TypeError(f"INFO memory answered {type(raw).__name__}, not a mapping")
+    return [raw]
+
+
+def unbounded_server_warning(memory: Mapping[str, Any]) -> str | None:
+    """What is wrong with a server whose INFO memory is ``memory``, for
+    kvtier's blocks, or None: without ``maxmemory`` (Debian's default) the
+    blocks grow the server until the host runs out of memory; under
+    ``noeviction`` a full server refuses every later store and keeps its
+    oldest blocks for ever. Neither fails the tier, so only a warning says so."""
+    maxmemory = int(memory.get("maxmemory", 0) or 0)
+    policy = str(memory.get("maxmemory_policy", ""))
+    fix = ("set the server's maxmemory and maxmemory-policy allkeys-lru (volatile-lru "
+           "when redis_ttl_s is set) so that it evicts the least recently used blocks")
+    if maxmemory == 0:
+        return (f"the server has no maxmemory (policy {policy or 'unknown'}): kvtier's "
+                f"blocks will grow it without bound; {fix}")
+    if policy == "noeviction":
+        return (f"the server's maxmemory-policy is noeviction: once its maxmemory "
+                f"({maxmemory} bytes) is full it refuses kvtier's stores and never frees "
+                f"old blocks; {fix}")
+    return None
 
 
 def _secret_values(url: str, options: Mapping[str, Any]) -> tuple[str, ...]:

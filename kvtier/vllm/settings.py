@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from kvtier.argtypes import is_positive_seconds
+from kvtier.argtypes import is_positive_seconds, parse_byte_size
 from kvtier.errors import KVTierError
 from kvtier.leases import DEFAULT_LEASE_TIMEOUT_S, DEFAULT_MAX_LEASES_PER_REQUEST
 from kvtier.policies import policy_class
@@ -25,6 +25,8 @@ from kvtier.slots.jobs import CUDA_COPY_MODES, CudaCopy
 from kvtier.tiers.cascade import DEFAULT_PROMOTION_TIMEOUT_S, WRITE_POLICIES
 from kvtier.tiers.disk_lookups import LOOKUP_MODES
 
+_BYTE_COUNT = 'a byte count, or a size such as "8GiB"'
+
 VLLM_KEYS = frozenset(
     {
         "spec_name",
@@ -38,6 +40,10 @@ VLLM_KEYS = frozenset(
 )
 """Keys of the same dict that vLLM itself reads; passed through untouched."""
 
+BYTE_KEYS = ("cpu_bytes_to_use", "disk_bytes")
+"""Settings that are byte counts: an int, or text with the size suffixes the
+command-line flags take (``"10GiB"``, ``"8G"``: ``kvtier.argtypes.parse_byte_size``)."""
+
 SECRET_KEYS = frozenset({"redis_url", "tenant_salt"})
 """Keys whose values may hold a secret (``kvtier.secrets``): error messages name
 their type, never their value, and ``repr`` redacts the URL and omits the salt."""
@@ -47,11 +53,21 @@ class ConfigError(KVTierError, ValueError):
     """A ``kv_connector_extra_config`` value kvtier cannot use; names the key."""
 
 
+def one_block_per_slot_error(given: str) -> ConfigError:
+    """The refusal of a ``block_size``/``blocks_per_chunk`` that makes vLLM move
+    several engine blocks as one chunk (``given`` says which, e.g.
+    ``"blocks_per_chunk=2"``): the engine's, and ``kvtier serve``'s before it."""
+    return ConfigError(f"KVTierSpec stores one engine block per slot; {given} is not "
+                       "supported: leave both 'block_size' and 'blocks_per_chunk' unset")
+
+
 @dataclass(frozen=True)
 class KVTierSettings:
     """kvtier's configuration of one engine (see the README's config table).
 
     ``cpu_bytes_to_use`` is required: the CPU slot region's size in bytes.
+    ``from_extra_config`` reads the byte settings (``BYTE_KEYS``) from ints or
+    size strings, and expands a leading ``~`` in ``disk_path``.
     """
 
     cpu_bytes_to_use: int
@@ -64,7 +80,8 @@ class KVTierSettings:
     max_leased_blocks: int | None = None
     """Blocks leased by all requests together; None: half the CPU tier."""
     disk_path: str | None = None
-    """Directory of the disk tier (shared by engines of one host); None: no disk tier."""
+    """Directory of the disk tier (shared by engines of one host; a leading ``~``
+    expanded); None: no disk tier."""
     disk_bytes: int | None = None
     """Bytes of block files the disk tier may keep; required with ``disk_path``."""
     disk_write_policy: str = "store"
@@ -142,7 +159,7 @@ class KVTierSettings:
                 "kv_connector_extra_config needs 'cpu_bytes_to_use': the bytes of CPU "
                 "memory kvtier may use for offloaded KV blocks, e.g. 8000000000"
             )
-        values = {k: extra[k] for k in own if k in extra}
+        values = _normalized({k: extra[k] for k in own if k in extra})
         for prefix, owner in (("disk_", "disk_path"), ("redis_", "redis_url")):
             orphans = sorted(k for k in values if k.startswith(prefix) and k != owner)
             if orphans and values.get(owner) is None and not (
@@ -166,7 +183,7 @@ class KVTierSettings:
         return replace(self, tenant_salt=value)
 
     def _validate(self) -> None:
-        _int_at_least("cpu_bytes_to_use", self.cpu_bytes_to_use, 1, "a byte count")
+        _int_at_least("cpu_bytes_to_use", self.cpu_bytes_to_use, 1, _BYTE_COUNT)
         _int_at_least("store_threshold", self.store_threshold, 1,
                       "1 stores every block, 2 only blocks offered twice")
         _int_at_least("max_tracker_size", self.max_tracker_size, 1, "entries")
@@ -225,10 +242,40 @@ class KVTierSettings:
         if self.disk_bytes is not None:
             if self.disk_path is None:
                 raise ConfigError("disk_bytes is set but disk_path is not")
-            _int_at_least("disk_bytes", self.disk_bytes, 1, "a byte count")
+            _int_at_least("disk_bytes", self.disk_bytes, 1, _BYTE_COUNT)
         if self.disk_lookups not in LOOKUP_MODES:
             raise ConfigError(f"disk_lookups must be one of {list(LOOKUP_MODES)}, "
                               f"got {self.disk_lookups!r}")
+
+
+def _normalized(values: dict[str, Any]) -> dict[str, Any]:
+    """``values`` with the byte-size settings given as text parsed to ints and
+    ``~`` expanded in ``disk_path`` (a shell leaves ``--disk-path=~/kv`` as
+    written: the tier would make a directory named ``~``); the checks of their
+    types and ranges are ``_validate``'s."""
+    out = dict(values)
+    for key in BYTE_KEYS:
+        value = out.get(key)
+        if isinstance(value, str):
+            try:
+                out[key] = parse_byte_size(value)
+            except ValueError as exc:
+                raise ConfigError(f"{key}: {exc}") from None
+    path = out.get("disk_path")
+    if isinstance(path, str) and path.startswith("~"):
+        out["disk_path"] = expand_home(path)
+    return out
+
+
+def expand_home(path: str) -> str:
+    """``path`` with a leading ``~`` or ``~user`` expanded; ``ConfigError``
+    when it cannot be (no home directory known): a directory literally
+    named ``~`` is never what was meant."""
+    expanded = os.path.expanduser(path)
+    if expanded.startswith("~"):
+        raise ConfigError(f"disk_path {path!r}: cannot expand its '~' (no such user, or "
+                          "HOME is not set): give the full path")
+    return expanded
 
 
 def _shown(key: str, value: object) -> str:

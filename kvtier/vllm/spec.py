@@ -30,7 +30,7 @@ from kvtier.vllm.adapter import KVTierOffloadingManager
 from kvtier.vllm.block_hashing import unshared_keys_reason
 from kvtier.vllm.identity import find_vllm_config, lora_reason, model_identity
 from kvtier.vllm.metrics import metric_definitions
-from kvtier.vllm.settings import ConfigError, KVTierSettings
+from kvtier.vllm.settings import ConfigError, KVTierSettings, one_block_per_slot_error
 from kvtier.vllm.worker import VllmSlotWorker
 
 logger = logging.getLogger(__name__)
@@ -97,11 +97,8 @@ class KVTierSpec(OffloadingSpec):
         super().__init__(config)
         self.settings = KVTierSettings.from_extra_config(self.extra_config)
         if self.blocks_per_chunk != 1:
-            raise ConfigError(
-                f"KVTierSpec stores one engine block per slot; blocks_per_chunk="
-                f"{self.blocks_per_chunk} (from 'block_size'/'blocks_per_chunk') is not "
-                "supported: leave both unset"
-            )
+            raise one_block_per_slot_error(
+                f"blocks_per_chunk={self.blocks_per_chunk} (from 'block_size'/'blocks_per_chunk')")
         if config.parallel.pp_size != 1:
             # Each process sizes its slots from its own stage's bytes per block,
             # and the scheduler from rank 0's: on uneven stages a worker's
