@@ -87,6 +87,15 @@ def session_pids(session: int) -> list[int]:
     return out
 
 
+def _wait_gone(pids: list[int], session: int, seconds: float) -> None:
+    """Wait up to ``seconds`` until none of ``pids`` is alive in ``session``:
+    SIGKILL takes effect asynchronously, and a process being killed still
+    shows (not yet a zombie) for a moment after ``kill`` returns."""
+    deadline = time.monotonic() + seconds
+    while set(pids) & set(session_pids(session)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 _TCP_LISTEN = "0A"
 
 
@@ -252,12 +261,11 @@ class ServerProcess:
         while (left := session_pids(session)) and time.monotonic() < deadline:
             time.sleep(0.2)
         reapers = [pid for pid in left if is_reaper(pid)]
-        _kill([pid for pid in left if pid not in reapers])
-        grace = time.monotonic() + 2.0
-        while (reapers := [p for p in reapers if p in session_pids(session)]) \
-                and time.monotonic() < grace:
-            time.sleep(0.05)
-        _kill(reapers)
+        killed = [pid for pid in left if pid not in reapers]
+        _kill(killed)
+        _wait_gone(killed + reapers, session, 2.0)
+        _kill([p for p in reapers if p in session_pids(session)])
+        _wait_gone(left, session, 2.0)
         return left
 
     def log_tail(self) -> str:
