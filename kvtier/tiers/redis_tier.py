@@ -364,7 +364,7 @@ class RedisTier(Tier):
         """Warn once, when the tier first reaches its server (or ``check()``
         runs), if the server would keep kvtier's blocks without bound (see
         ``unbounded_server_warning``). ``replies``: INFO memory read already
-        (``_memory_replies``); else it is read now (one round trip, once).
+        (``_info_sections``); else it is read now (one round trip, once).
         Advisory: a refused or failed INFO (an ACL user without ``info``)
         gives no warning, and nothing here fails a call."""
         with self._bounds_lock:
@@ -373,7 +373,7 @@ class RedisTier(Tier):
             self._bounds_checked = True
         try:
             if replies is None:
-                replies = _memory_replies(self._client().info("memory"))
+                replies = _info_sections(self._client().info("memory"))
             warnings = [w for w in map(unbounded_server_warning, replies) if w]
         except Exception:  # advisory: any failure (refused, closed, timed out) is no warning
             return
@@ -726,14 +726,12 @@ class RedisTier(Tier):
             ) from None
         info: dict[str, Any] = {}
         try:
-            replies = _memory_replies(client.info("memory"))
+            replies = _info_sections(client.info("memory"))
             info["maxmemory"] = int(replies[0].get("maxmemory", 0))
             info["maxmemory_policy"] = replies[0].get("maxmemory_policy", "")
             self._check_server_bounds(replies)
-            server = client.info("server")
-            if self.cluster and server and all(isinstance(v, dict) for v in server.values()):
-                server = next(iter(server.values()))
-            info["redis_version"] = server.get("redis_version", "")
+            info["redis_version"] = _info_sections(client.info("server"))[0].get(
+                "redis_version", "")
         except (RedisError, RedisClusterException, OSError, TypeError, ValueError):
             pass  # a server that will not say (an ACL user without info)
         return info
@@ -767,12 +765,12 @@ class RedisTier(Tier):
         return f"RedisTier({self.safe_url!r}, namespace={self.namespace!r})"
 
 
-def _memory_replies(raw: Any) -> list[Mapping[str, Any]]:
-    """INFO memory's sections: one, or a cluster client's one per node."""
+def _info_sections(raw: Any) -> list[Mapping[str, Any]]:
+    """An INFO section's replies: one, or a cluster client's one per node."""
     if isinstance(raw, Mapping) and raw and all(isinstance(v, Mapping) for v in raw.values()):
         return list(raw.values())
     if not isinstance(raw, Mapping):
-        raise TypeError(f"INFO memory answered {type(raw).__name__}, not a mapping")
+        raise TypeError(f"INFO answered {type(raw).__name__}, not a mapping")
     return [raw]
 
 
