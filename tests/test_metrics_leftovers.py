@@ -58,18 +58,6 @@ def region(tmp_path: Path) -> Iterator[SlotRegion]:
         yield r
 
 
-@pytest.fixture
-def redis_server() -> Iterator[Any]:
-    from kvtier.tiers.redis_server import RedisServer, find_server_binary
-
-    if find_server_binary() is None:
-        pytest.skip("no redis-server binary")
-    pytest.importorskip("redis")
-    server = RedisServer().start()
-    yield server
-    server.close()
-
-
 def _settle(adapter: Any, keys: Sequence[Any], req: Any, timeout_s: float = 10.0) -> None:
     """Ask for ``keys`` step after step, as vLLM does, until each is a HIT."""
     from vllm.v1.kv_offload.base import LookupResult
@@ -164,6 +152,21 @@ def test_a_plug_in_policys_counter_that_restarts_is_still_read_as_a_restart() ->
     again = fill_stats({**base, "policy_switches": 2, "stores": 4}, 8, reported).data["data"]
     assert again["vllm:kvtier_policy_switches"][()] == 2
     assert "vllm:kvtier_stores" not in again
+
+
+def test_a_drop_in_a_kvtier_total_is_not_reported_again_when_it_rises_back() -> None:
+    """A lower total of one of kvtier's own counters is not reported, and the
+    last total reported stays the baseline: back at 7 after 7 -> 4, nothing
+    new happened (the baseline had dropped to 4, and 3 were reported twice)."""
+    from kvtier.vllm.metrics import fill_stats
+
+    base = {"hits": 0, "misses": 0, "stores": 0, "evictions": 0, "stores_skipped": 0,
+            "stores_below_threshold": 0, "allocation_failures": 0, "events_dropped": 0,
+            "resident": 0, "pinned": 0, "leased": 0, "write_pending": 0, "unevictable": 0}
+    reported: dict[str, int] = {}
+    seen = [fill_stats({**base, "stores": n}, 8, reported).data["data"]
+            for n in (7, 4, 7, 9)]
+    assert [d.get("vllm:kvtier_stores", {}).get((), 0) for d in seen] == [7, 0, 0, 2]
 
 
 # ------------------------------------------------------------ (3) promotions

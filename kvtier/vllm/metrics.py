@@ -212,7 +212,9 @@ def _count(out: Any, reported: dict[str, int], name: str, total: int, tier: str 
     slot = f"{metric}|{tier}"
     first = slot not in reported
     last = reported.get(slot, 0)
-    delta = total - last if total >= last or not restarts else total
+    if total < last and not restarts:
+        return  # the last total stays the baseline: a rise back to it is not new
+    delta = total - last if total >= last else total
     reported[slot] = total
     if delta > 0 or first:
         labels = (tier,) if tier else ()
