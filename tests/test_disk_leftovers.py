@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -32,11 +33,9 @@ def file_bytes(size: int = SIZE) -> int:
     return disk_blocks.file_bytes(NS, size)
 
 
-def make(path: Path, capacity: int = 64 << 20, ns: str = NS, **kw: object) -> DiskTier:
-    kw.setdefault("free_reserve_bytes", 0)
-    kw.setdefault("lookups", "inline")
+def make(path: Path, capacity: int = 64 << 20, ns: str = NS, **kw: Any) -> DiskTier:
     kw.setdefault("rescan_interval_s", None)
-    return DiskTier(path, ns, capacity, **kw)  # type: ignore[arg-type]
+    return disk_blocks.make_disk(path, ns, capacity, **kw)
 
 
 def ranked(path: Path, ranks: int = 2) -> tuple[RankedTier, list[DiskTier]]:

@@ -12,6 +12,7 @@ import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -32,10 +33,8 @@ def file_bytes(size: int = SIZE) -> int:
     return disk_blocks.file_bytes(NS, size)
 
 
-def make(path: Path, capacity: int = 64 << 20, ns: str = NS, **kw: object) -> DiskTier:
-    kw.setdefault("free_reserve_bytes", 0)
-    kw.setdefault("lookups", "inline")
-    return DiskTier(path, ns, capacity, **kw)  # type: ignore[arg-type]
+def make(path: Path, capacity: int = 64 << 20, ns: str = NS, **kw: Any) -> DiskTier:
+    return disk_blocks.make_disk(path, ns, capacity, **kw)
 
 
 def held_ids(tier: DiskTier) -> set[int]:
