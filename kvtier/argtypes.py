@@ -52,6 +52,8 @@ def parse_byte_size(text: str) -> int:
     ``8Gi``/``8GiB`` (2**30); ``ValueError`` saying what is wrong. The one parser
     of sizes: the command-line flags (``byte_size``) and the byte-size settings
     (``kvtier.vllm.settings.BYTE_KEYS``) both read sizes with it."""
+    if not isinstance(text, str):
+        raise TypeError(f"a byte count to parse is text, got {type(text).__name__}")
     raw = text.strip().upper().removesuffix("B")
     number = raw.rstrip("KMGTI")
     unit = raw[len(number):]

@@ -244,3 +244,10 @@ def test_a_bounded_or_silent_redis_server_gets_no_warning(
         client.close()
     use_tier(server.url)
     assert warnings_of(caplog) == []
+
+
+def test_the_size_parser_names_a_value_that_is_not_text() -> None:
+    from kvtier.argtypes import parse_byte_size
+
+    with pytest.raises(TypeError, match="is text, got int"):
+        parse_byte_size(8)  # type: ignore[arg-type]
