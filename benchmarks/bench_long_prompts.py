@@ -1,0 +1,165 @@
+"""Manager time per offered key for long prompts offered chunk by chunk, by prompt length.
+
+vLLM's chunked prefill computes a long prompt over many scheduler steps and
+offers its blocks to the offloading manager one chunk per step (at most
+``max_num_batched_tokens`` tokens, 2,048 by default: 128 blocks of 16
+tokens). This drives a real ``OffloadManager`` that way, once per policy and
+prompt length: the first step looks the prompt's first key up (a miss), each
+step offers the next ``--chunk`` keys (positions set as vLLM's scheduler sets
+them) and completes the stores granted at the step before (the worker's
+copies finish a step later), and the last step finishes the request.
+``--others N`` adds N short requests (``--other-blocks`` keys, one offer,
+finished at once) at every step, as other traffic in the same steps.
+
+The cache holds ``--capacity-factor`` times the prompt (default 2: no
+eviction of the prompt itself). Reported per policy and prompt length, the
+best of ``--repeats`` runs: microseconds of manager time per offered key of
+the long prompt (offers, completions and the finish; the other requests'
+calls are not timed), the share of it spent ranking the request's earlier
+blocks ahead of its new ones, in two parts: the manager listing them
+(``OffloadManager._running_blocks``: "order %") and the policy moving them
+(``keep_ahead``: "keep %"); and the keys handed to ``keep_ahead`` per offered
+key (a count, not a time: constant when the work per offer is bounded by the
+chunk, growing with the prompt when it is not).
+
+    python benchmarks/bench_long_prompts.py [--blocks 1024,2048,4096,8192,16384]
+        [--chunk 128] [--policies default,lru,plfu] [--others 0] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass
+
+from kvtier import OffloadManager, RequestContext, block_key
+
+BLOCK_TOKENS = 16
+
+
+@dataclass
+class Run:
+    """One long prompt through one manager: seconds and counts."""
+
+    total_s: float = 0.0
+    order_s: float = 0.0
+    keep_s: float = 0.0
+    ahead_keys: int = 0
+
+
+def _instrument(mgr: OffloadManager, run: Run) -> None:
+    """Time ``_running_blocks`` and ``keep_ahead`` (and count the keys kept ahead)."""
+    running_blocks = mgr._running_blocks
+    keep_ahead = mgr.policy.keep_ahead
+
+    def timed_running_blocks(ctx: RequestContext) -> list[bytes]:
+        t0 = time.perf_counter()
+        try:
+            return running_blocks(ctx)
+        finally:
+            run.order_s += time.perf_counter() - t0
+
+    def timed_keep_ahead(keys: list[bytes]) -> None:
+        t0 = time.perf_counter()
+        try:
+            keep_ahead(keys)
+        finally:
+            run.keep_s += time.perf_counter() - t0
+            run.ahead_keys += len(keys)
+
+    mgr._running_blocks = timed_running_blocks  # type: ignore[method-assign]
+    mgr.policy.keep_ahead = timed_keep_ahead  # type: ignore[method-assign]
+
+
+def _other_traffic(mgr: OffloadManager, step: int, others: int, blocks: int) -> None:
+    """``others`` short requests at this step: one offer each, finished at once."""
+    for i in range(others):
+        keys = [block_key(hash((step, i, j)) & (2**63 - 1), 1) for j in range(blocks)]
+        ctx = RequestContext(f"other-{step}-{i}")
+        ctx.set_positions(keys, BLOCK_TOKENS, BLOCK_TOKENS)
+        out = mgr.prepare_store(keys, ctx)
+        if out is not None:
+            mgr.complete_store(out.keys_to_store, ctx)
+        mgr.on_request_finished(ctx)
+
+
+def long_prompt(policy: str, blocks: int, chunk: int, capacity_factor: float,
+                others: int, other_blocks: int, instrument: bool) -> Run:
+    """Offer one prompt of ``blocks`` keys in chunks, as vLLM does; time the manager."""
+    mgr = OffloadManager(max(1, int(capacity_factor * blocks)), policy=policy)
+    run = Run()
+    if instrument:
+        _instrument(mgr, run)
+    keys = [block_key(i) for i in range(blocks)]
+    ctx = RequestContext("long")
+    clock = time.perf_counter
+    t0 = clock()
+    mgr.lookup_one(keys[0], ctx)
+    run.total_s += clock() - t0
+    granted: list[bytes] = []
+    for step, start in enumerate(range(0, blocks, chunk)):
+        _other_traffic(mgr, step, others, other_blocks)
+        offer = keys[start:start + chunk]
+        t0 = clock()
+        ctx.set_positions(offer, (start + 1) * BLOCK_TOKENS, BLOCK_TOKENS)
+        if granted:
+            mgr.complete_store(granted, ctx)
+        out = mgr.prepare_store(offer, ctx)
+        granted = out.keys_to_store if out is not None else []
+        run.total_s += clock() - t0
+    t0 = clock()
+    if granted:
+        mgr.complete_store(granted, ctx)
+    mgr.on_request_finished(ctx)
+    run.total_s += clock() - t0
+    return run
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected ints >= 1, got {text!r}")
+    return values
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    ap.add_argument("--blocks", type=_ints, default=[1024, 2048, 4096, 8192, 16384],
+                    help="prompt lengths in blocks, comma-separated")
+    ap.add_argument("--chunk", type=int, default=128, help="blocks offered per step")
+    ap.add_argument("--policies", default="default,lru,plfu")
+    ap.add_argument("--capacity-factor", type=float, default=2.0,
+                    help="cache size as a multiple of the prompt")
+    ap.add_argument("--others", type=int, default=0,
+                    help="short requests offered and finished at every step")
+    ap.add_argument("--other-blocks", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args(argv)
+    if args.chunk < 1 or args.repeats < 1 or args.others < 0 or args.other_blocks < 1:
+        ap.error("--chunk, --repeats and --other-blocks must be >= 1, --others >= 0")
+    if args.capacity_factor <= 0:
+        ap.error("--capacity-factor must be > 0")
+    print(f"chunk {args.chunk} blocks, cache {args.capacity_factor:g} x prompt, "
+          f"{args.others} other request(s) per step; best of {args.repeats}")
+    print(f"{'policy':8s} {'blocks':>7s} {'us/key':>7s} {'order %':>8s} {'keep %':>7s} "
+          f"{'ahead keys/key':>15s}")
+    for policy in args.policies.split(","):
+        for blocks in args.blocks:
+            best = min((long_prompt(policy, blocks, args.chunk, args.capacity_factor,
+                                    args.others, args.other_blocks, instrument=False)
+                        for _ in range(args.repeats)), key=lambda r: r.total_s)
+            shares = long_prompt(policy, blocks, args.chunk, args.capacity_factor,
+                                 args.others, args.other_blocks, instrument=True)
+            total = shares.total_s or 1.0
+            print(f"{policy:8s} {blocks:7d} {best.total_s / blocks * 1e6:7.2f} "
+                  f"{100 * shares.order_s / total:7.1f}% {100 * shares.keep_s / total:6.1f}% "
+                  f"{shares.ahead_keys / blocks:15.2f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
