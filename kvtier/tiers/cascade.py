@@ -75,6 +75,11 @@ RESET_WAIT_S = 1.0
 """How long ``reset`` waits for I/O jobs before abandoning them (it runs on the
 scheduler's thread; an abandoned job is safe, see ``reset``)."""
 
+SHUTDOWN_GRACE_S = 1.0
+"""How long ``shutdown`` lets the tier calls already running end before it
+closes the owned tiers under them (a Redis call then ends at once): with a
+dead or stopped Redis, about the longest a shutdown takes."""
+
 WritePolicy = Literal["store", "evict"]
 WRITE_POLICIES: tuple[WritePolicy, ...] = ("store", "evict")
 RegionSource = SlotSource | Callable[[], SlotSource | None]
@@ -105,7 +110,8 @@ class TierCascade:
         region: the slot region (``RankRegions`` for a tensor-parallel engine,
             with ``RankedTier`` tiers), or a callable returning it (None while
             it is not available yet: lookups fall back to the CPU tier, writes
-            are dropped).
+            are dropped); a region the callable returned is the cascade's,
+            closed by ``shutdown``.
         tiers: lower tiers, fastest first (disk, then Redis).
         write_policy: ``"store"`` (write-through) or ``"evict"`` (write on CPU
             eviction), for every tier or one per tier.
@@ -164,6 +170,7 @@ class TierCascade:
         self._warn = WarningLimiter(logger)
         self._pool = IOPool(io_threads, max_queue)
         self._pool.region = self._region
+        self._shut = False
         self._init_step_state(max_tracker_size)
         if self._writes.evicts:
             manager.set_eviction_listener(self._writes.on_evict)
@@ -550,22 +557,59 @@ class TierCascade:
         return out
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
-        """Drop queued writes, finish running jobs, join the threads, close owned tiers."""
-        self._submit_promotions()  # batched reservations are released through poll
+        """Stop the I/O threads and close the owned tiers, in bounded time.
+
+        No tier call starts once shutdown has begun: queued writes, this
+        step's write-on-evict copies and the blocks of running writes not yet
+        handed to a tier are dropped (``dropped_writes``), batched and queued
+        promotions give their slots back unread. The calls already running
+        get ``SHUTDOWN_GRACE_S`` (at most ``timeout_s``) to end; then owned
+        tiers are closed, which ends a Redis call at once (a failed write),
+        and the threads are joined for the rest of ``timeout_s`` (one stuck
+        in a call that close does not end, a hung disk, is left behind: a
+        daemon). So a dead or stopped Redis costs a shutdown about
+        ``SHUTDOWN_GRACE_S``, and no shutdown takes more than ``timeout_s``.
+        Later calls do nothing."""
+        if self._shut:
+            return
+        self._shut = True
+        deadline = time.monotonic() + timeout_s
+        dropped = self._pool.stop()
+        self._submit_promotions()  # refused now: their reservations are given back
         self._writes.drop_evicted()
-        for job in self._pool.shutdown(timeout_s):
-            self.counters["dropped_writes"] += len(job.keys)
-            job.written = job.skipped = job.failed = 0
-            self._apply(job)
-        self.poll()
-        if self._writes.evicts:
-            self.manager.set_eviction_listener(None)
+        self._pool.join(min(timeout_s, SHUTDOWN_GRACE_S))
         if self._own_tiers:
             for tier in self.tiers:
                 try:
                     tier.close()
                 except Exception as exc:
                     logger.warning("kvtier cascade: closing %s: %s", tier.name, exc)
+        self._pool.join(max(0.0, deadline - time.monotonic()))
+        for job in dropped:
+            job.written = job.skipped = job.failed = 0
+            job.dropped = len(job.keys)
+            self._apply(job)
+        self.poll()
+        if self._writes.evicts:
+            self.manager.set_eviction_listener(None)
+        self._close_own_region()
+
+    def _close_own_region(self) -> None:
+        """Unmap the region this cascade attached (vLLM's scheduler: its
+        mapping of the workers' region) now, not at a later garbage
+        collection: the workers unlink the file, and tmpfs frees its pages,
+        ``cpu_bytes_to_use`` of memory, only with the last mapping. A thread
+        left in a hung tier keeps its slot's view, and so the mapping, until
+        it returns (never an unmapped slot)."""
+        if not callable(self._region_source) or self._region is None:
+            return
+        close = getattr(self._region, "close", None)
+        if close is None:
+            return
+        try:
+            close()
+        except Exception as exc:
+            logger.warning("kvtier cascade: closing the slot region: %s", exc)
 
 
 def _is_available(tier: Tier) -> bool:

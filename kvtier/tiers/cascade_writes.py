@@ -209,6 +209,7 @@ class CascadeWrites:
         self.counters["cascade_writes"] += job.written
         self.counters["duplicate_writes_skipped"] += job.skipped
         self.counters["write_failures"] += job.failed
+        self.counters["dropped_writes"] += job.dropped
 
     def abandon(self) -> list[int]:
         """Mark the running jobs abandoned (a reset that could not wait for

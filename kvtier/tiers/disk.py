@@ -50,6 +50,7 @@ import secrets
 import stat
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 
@@ -203,6 +204,10 @@ class DiskTier(Tier):
                 lookups, self.root, lookup_timeout_s)
         except ValueError as exc:
             raise TierConfigError(f"disk tier: {exc}") from None
+        if self._lookups is not None:
+            # its thread holds the runner, not the tier: a tier dropped without
+            # close() would leave the thread waiting for ever
+            weakref.finalize(self, self._lookups.close)
         if manifest is not None:
             self.dir.write_manifest(manifest)
         if free_reserve_bytes is None:

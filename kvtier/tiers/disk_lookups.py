@@ -143,17 +143,25 @@ class DeadlineLookups:
                 if self._closed:
                     return
                 item = self._queue.popleft()
-                if time.monotonic() > item.deadline:
-                    continue  # its caller has given up
-                self._running_since = time.monotonic()
-            try:
-                item.result = item.call()
-            except Exception:  # a lookup that fails finds nothing
-                item.result = None
-            with self._cond:
-                item.done = True
-                self._running_since = None
-                self._cond.notify_all()
+                late = time.monotonic() > item.deadline  # its caller has given up
+                if not late:
+                    self._running_since = time.monotonic()
+            if not late:
+                self._answer(item)
+            # not kept while waiting: the call refers to its tier, which the
+            # thread must not keep alive (a tier dropped unclosed is collected,
+            # and its finalizer closes this runner)
+            del item
+
+    def _answer(self, item: _Call) -> None:
+        try:
+            item.result = item.call()
+        except Exception:  # a lookup that fails finds nothing
+            item.result = None
+        with self._cond:
+            item.done = True
+            self._running_since = None
+            self._cond.notify_all()
 
     def close(self) -> None:
         """Refuse new lookups and answer the waiting ones with nothing; the thread

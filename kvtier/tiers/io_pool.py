@@ -10,6 +10,12 @@ A job is built and later applied on the scheduler thread; only its ``run``
 executes on an I/O thread, filling the job's result fields. The pool takes
 promotions and probes before writes, and both queues are bounded, so under
 backpressure writes are refused first (the caller counts them as dropped).
+
+Shutdown (:meth:`IOPool.stop`) sets an event every running job checks
+before each tier call: a job starts no tier call after it (a write counts
+its remaining blocks in ``WriteJob.dropped``, a promotion leaves them
+unread), so a stop waits for the calls already running, never for new ones
+to a tier that may be dead.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -56,7 +63,8 @@ class PromotionJob:
     abandoned: bool = False
     reading: tuple[Tier, float] | None = None
 
-    def run(self, region: SlotSource | None) -> None:
+    def run(self, region: SlotSource | None, stop: threading.Event | None = None) -> None:
+        """Read the blocks; ``stop`` set (a shutdown): no further tier is asked."""
         self.ok = [False] * len(self.keys)
         self.source = [""] * len(self.keys)
         if region is None:
@@ -64,7 +72,7 @@ class PromotionJob:
         buffers = [region.slot_array(s) for s in self.slots]
         for tier in self.tiers:
             todo = [i for i, done in enumerate(self.ok) if not done]
-            if not todo:
+            if not todo or _stopped(stop):
                 return
             if not tier.available:
                 continue
@@ -113,7 +121,12 @@ class ProbeJob:
     found: list[bool] | None = None
     answered: float | None = None
 
-    def run(self, region: SlotSource | None) -> None:
+    def run(self, region: SlotSource | None, stop: threading.Event | None = None) -> None:
+        """Ask the tier; ``stop`` set (a shutdown): found nothing, not asked."""
+        if _stopped(stop):
+            self.found = [False] * len(self.keys)
+            self.answered = time.monotonic()
+            return
         try:
             self.found = [bool(x) for x in self.tier.contains(self.keys)]
         except Exception as exc:
@@ -129,7 +142,8 @@ class WriteJob:
     ``busy``: seconds spent in each tier's calls, by tier name; ``abandoned``:
     as for :class:`PromotionJob` (its pins are gone with the reset);
     ``writing``: (tier, monotonic start) of the tier call running now, set by
-    the I/O thread, as ``PromotionJob.reading``."""
+    the I/O thread, as ``PromotionJob.reading``; ``dropped``: blocks (per
+    tier) not written because the pool stopped first."""
 
     keys: list[bytes]
     slots: list[int]
@@ -138,11 +152,14 @@ class WriteJob:
     written: int = 0
     skipped: int = 0
     failed: int = 0
+    dropped: int = 0
     busy: dict[str, float] = field(default_factory=dict)
     abandoned: bool = False
     writing: tuple[Tier, float] | None = None
 
-    def run(self, region: SlotSource | None) -> None:
+    def run(self, region: SlotSource | None, stop: threading.Event | None = None) -> None:
+        """Write the blocks to each tier; once ``stop`` is set (a shutdown) no
+        further tier call starts and the blocks left count in ``dropped``."""
         if self.copies is not None:
             sources: list[Any] = self.copies
         elif region is not None:
@@ -150,7 +167,10 @@ class WriteJob:
         else:
             self.failed += len(self.keys) * len(self.tiers)
             return
-        for tier in self.tiers:
+        for done, tier in enumerate(self.tiers):
+            if _stopped(stop):
+                self.dropped += len(self.keys) * (len(self.tiers) - done)
+                return
             if not tier.available:
                 self.failed += len(self.keys)
                 continue
@@ -160,7 +180,9 @@ class WriteJob:
                 held = tier.contains_waiting(self.keys)
                 items = [(k, b) for k, b, h in zip(self.keys, sources, held, strict=True) if not h]
                 self.skipped += len(self.keys) - len(items)
-                if items:
+                if items and _stopped(stop):  # checked: no put to a tier that may be dead
+                    self.dropped += len(items)
+                elif items:
                     ok = sum(1 for r in tier.put(items) if r)
                     self.written += ok
                     self.failed += len(items) - ok
@@ -175,6 +197,27 @@ class WriteJob:
 Job = PromotionJob | ProbeJob | WriteJob
 
 
+def _stopped(stop: threading.Event | None) -> bool:
+    return stop is not None and stop.is_set()
+
+
+class _Shared:
+    """What the I/O threads share with their :class:`IOPool`: the queues, the
+    condition guarding them, the stop event and the region. The threads hold
+    this, not the pool, so that a pool dropped without ``shutdown`` is
+    collected, and its finalizer stops them."""
+
+    __slots__ = ("cond", "reads", "writes", "done", "stop", "region")
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.reads: deque[PromotionJob | ProbeJob] = deque()
+        self.writes: deque[WriteJob] = deque()
+        self.done: deque[Job] = deque()
+        self.stop = threading.Event()
+        self.region: SlotSource | None = None
+
+
 class IOPool:
     """Threads running jobs against one slot region.
 
@@ -186,23 +229,35 @@ class IOPool:
     the jobs accepted before (at most ``2 * max_queue`` queued and ``threads``
     running) may still finish, so at most ``2 * max_done`` finished jobs wait,
     however rarely the owner polls.
+
+    A pool garbage collected without :meth:`shutdown` stops its threads as
+    :meth:`stop` does (each ends once its running job returns).
     """
 
     def __init__(self, threads: int, max_queue: int) -> None:
         self.max_queue = max_queue
         self.max_done = 2 * max_queue + threads
-        self.region: SlotSource | None = None
-        self._cond = threading.Condition()
-        self._reads: deque[PromotionJob | ProbeJob] = deque()
-        self._writes: deque[WriteJob] = deque()
-        self._done: deque[Job] = deque()
-        self._stopping = False
+        shared = self._shared = _Shared()
+        self._cond = shared.cond
+        self._reads = shared.reads
+        self._writes = shared.writes
+        self._done = shared.done
         self._threads = [
-            threading.Thread(target=self._run, name=f"kvtier-io-{i}", daemon=True)
+            threading.Thread(target=_serve, args=(shared,), name=f"kvtier-io-{i}", daemon=True)
             for i in range(threads)
         ]
         for thread in self._threads:
             thread.start()
+        self._finalizer = weakref.finalize(self, _stop, shared)
+
+    @property
+    def region(self) -> SlotSource | None:
+        """The slot region the jobs read and write (None: not attached yet)."""
+        return self._shared.region
+
+    @region.setter
+    def region(self, region: SlotSource | None) -> None:
+        self._shared.region = region
 
     @property
     def threads(self) -> int:
@@ -218,7 +273,7 @@ class IOPool:
         finished jobs wait to be taken, or the pool is stopping."""
         queue: deque = self._writes if isinstance(job, WriteJob) else self._reads
         with self._cond:
-            if (self._stopping or len(queue) >= self.max_queue
+            if (self._shared.stop.is_set() or len(queue) >= self.max_queue
                     or len(self._done) >= self.max_done):
                 return False
             queue.append(job)
@@ -259,35 +314,59 @@ class IOPool:
             return {"queued_reads": len(self._reads), "queued_writes": len(self._writes),
                     "done": len(self._done)}
 
-    def _run(self) -> None:
-        cond = self._cond
-        while True:
-            with cond:
-                while not self._reads and not self._writes and not self._stopping:
-                    cond.wait()
-                if self._reads:
-                    job: Job = self._reads.popleft()
-                elif self._writes:
-                    job = self._writes.popleft()
-                else:
-                    return
-            try:
-                job.run(self.region)
-            except Exception as exc:
-                _warn.warning("kvtier cascade: I/O job failed: %s", exc)
-            self._done.append(job)
+    def stop(self) -> list[WriteJob]:
+        """Stop taking jobs and return the queued writes, which never run.
+        Queued reads still pass through the threads, as no-ops (their slots
+        are given back when the owner applies them); a running job starts no
+        further tier call (see the module docstring)."""
+        dropped = _stop(self._shared)
+        self._finalizer.detach()
+        return dropped
 
-    def shutdown(self, timeout_s: float) -> list[WriteJob]:
-        """Stop taking jobs, let running and queued reads finish, join the
-        threads for at most ``timeout_s`` in all (threads stuck in a hung tier
-        are left behind: they are daemons); return the queued writes that were
-        never run."""
-        with self._cond:
-            self._stopping = True
-            dropped = list(self._writes)
-            self._writes.clear()
-            self._cond.notify_all()
+    def join(self, timeout_s: float) -> bool:
+        """Wait at most ``timeout_s`` in all for the threads to end (after
+        :meth:`stop`); whether they all did. Threads stuck in a hung tier
+        are left behind: they are daemons."""
         deadline = time.monotonic() + timeout_s
         for thread in self._threads:
             thread.join(max(0.0, deadline - time.monotonic()))
+        return not any(thread.is_alive() for thread in self._threads)
+
+    def shutdown(self, timeout_s: float) -> list[WriteJob]:
+        """:meth:`stop`, then :meth:`join` for at most ``timeout_s``; return
+        the queued writes that were never run."""
+        dropped = self.stop()
+        self.join(timeout_s)
         return dropped
+
+
+def _stop(shared: _Shared) -> list[WriteJob]:
+    """Set ``shared``'s stop event, wake its threads; return (and forget) the
+    queued writes."""
+    with shared.cond:
+        shared.stop.set()
+        dropped = list(shared.writes)
+        shared.writes.clear()
+        shared.cond.notify_all()
+    return dropped
+
+
+def _serve(shared: _Shared) -> None:
+    """An I/O thread: run jobs, reads first, until the pool stops and no read
+    is left."""
+    cond = shared.cond
+    while True:
+        with cond:
+            while not shared.reads and not shared.writes and not shared.stop.is_set():
+                cond.wait()
+            if shared.reads:
+                job: Job = shared.reads.popleft()
+            elif shared.writes:
+                job = shared.writes.popleft()
+            else:
+                return
+        try:
+            job.run(shared.region, shared.stop)
+        except Exception as exc:
+            _warn.warning("kvtier cascade: I/O job failed: %s", exc)
+        shared.done.append(job)
