@@ -83,6 +83,25 @@ def redact_url(url: str) -> str:
         return "<unparsable redis url>"
 
 
+def url_endpoint(url: str) -> str:
+    """Where ``url`` points, for a log line: scheme, host, port and path (the
+    database, or a socket's path) and a ``db`` query parameter; no user name,
+    no password, no other query parameter. ``"<unparsable redis url>"`` when
+    it cannot be parsed, and only the host when an ``@`` is misplaced
+    (:func:`misplaced_at`: a piece of a password could pass for a path)."""
+    try:
+        if misplaced_at(url):
+            scheme, _, rest = url.partition("://")
+            return f"{scheme}://{rest.rpartition('@')[2].partition('/')[0]}"
+        parts = urlsplit(url)
+        host = parts.netloc.rpartition("@")[2]
+        kept = [(k, v) for k, v in parse_qsl(parts.query, keep_blank_values=True)
+                if k.lower() == "db"]
+        return _unsplit(parts._replace(fragment=""), host, urlencode(kept))
+    except ValueError:
+        return "<unparsable redis url>"
+
+
 def split_url_password(url: str) -> tuple[str, str | None]:
     """``(url without its password, the password or None)``; a user name stays.
 

@@ -2,7 +2,8 @@
 
     kvtier serve MODEL [--cpu-bytes N] [--policy NAME] [--store-threshold K]
                  [--disk-path DIR --disk-bytes N] [--redis-url URL]
-                 [--tenant-salt S] [--kvtier KEY=VALUE ...] [--print-command]
+                 [--redis-password-file FILE] [--tenant-salt S]
+                 [--kvtier KEY=VALUE ...] [--print-command]
                  [any other ``vllm serve`` option]
 
 kvtier's flags become the ``kv_connector_extra_config`` of vLLM's
@@ -16,7 +17,11 @@ Secrets never reach vLLM's command line or logs (vLLM logs its whole
 configuration): the Redis password moves from the URL to
 ``KVTIER_REDIS_PASSWORD`` and the tenant salt to ``KVTIER_TENANT_SALT``,
 referenced as ``"tenant_salt": "env:KVTIER_TENANT_SALT"``. ``--print-command``
-prints the equivalent ``vllm serve`` line in that form and exits.
+prints the equivalent ``vllm serve`` line in that form and exits. A secret
+typed on ``kvtier serve``'s own command line is readable by other users (``ps``)
+until the process becomes vLLM's server, a few seconds: a note on stderr says
+so; ``KVTIER_REDIS_PASSWORD`` set by the caller (passed on as it is) or
+``--redis-password-file`` keep the password off every command line.
 """
 
 from __future__ import annotations
@@ -109,7 +114,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis-url", default=None, metavar="URL",
                    help="Redis/Valkey tier below the disk tier ("
                    + ", ".join(f"{scheme}://" for scheme in REDIS_URL_SCHEMES) + "); "
-                   f"a password in it is passed through ${REDIS_PASSWORD_ENV}, never argv")
+                   f"vLLM gets a password in it through ${REDIS_PASSWORD_ENV}, not argv, "
+                   "but this command line shows it (ps) until vLLM starts: better set "
+                   f"${REDIS_PASSWORD_ENV} yourself, or use --redis-password-file")
+    p.add_argument("--redis-password-file", default=None, metavar="FILE",
+                   help="read the Redis password from FILE (its first line; keep the file "
+                   "readable only by the engine's user): it stays off every command line")
     p.add_argument("--tenant-salt", default=None, metavar="S",
                    help=f"tenant salt of the shared tiers (passed through ${TENANT_SALT_ENV})")
     p.add_argument("--kvtier", action="append", default=[], metavar="KEY=VALUE",
@@ -289,6 +299,63 @@ def without_secrets(extra: dict[str, Any]) -> tuple[dict[str, Any], dict[str, st
     return public, env
 
 
+MAX_PASSWORD_FILE_BYTES = 4096
+"""The most ``--redis-password-file`` reads: a password, not a data file."""
+
+
+def read_password_file(path: str) -> str:
+    """The password in ``path``: its first line, without the line end.
+    ``ServeError`` (naming the file, never its content) when it cannot be read,
+    is empty, or is larger than ``MAX_PASSWORD_FILE_BYTES``."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_PASSWORD_FILE_BYTES + 1)
+    except OSError as exc:
+        raise ServeError(f"--redis-password-file {path}: {exc.strerror or exc}") from None
+    if len(data) > MAX_PASSWORD_FILE_BYTES:
+        raise ServeError(f"--redis-password-file {path}: larger than "
+                         f"{MAX_PASSWORD_FILE_BYTES} bytes: not a password file")
+    try:
+        password = data.decode().splitlines()[0] if data.strip() else ""
+    except UnicodeDecodeError:
+        raise ServeError(f"--redis-password-file {path}: not UTF-8 text") from None
+    if not password:
+        raise ServeError(f"--redis-password-file {path}: its first line is empty")
+    return password
+
+
+def add_password_file(path: str | None, extra: dict[str, Any], env: dict[str, str]) -> None:
+    """Put the password of ``--redis-password-file`` (if given) in ``env``,
+    where the Redis tier reads it; ``ServeError`` when there is no Redis tier
+    or the URL has a password too."""
+    if path is None:
+        return
+    if extra.get("redis_url") is None:
+        raise ServeError("--redis-password-file needs a Redis tier: give --redis-url too")
+    if REDIS_PASSWORD_ENV in env:
+        raise ServeError("--redis-url has a password and --redis-password-file gives one "
+                         "too: give it once")
+    env[REDIS_PASSWORD_ENV] = read_password_file(path)
+
+
+def note_secrets_in_argv(env: dict[str, str], password_from_file: bool) -> None:
+    """Say on stderr which secrets were on this command line: vLLM never sees
+    them there, but any user of the host could read them (``ps``,
+    ``/proc/PID/cmdline``) while this process started, and the shell's
+    history keeps them."""
+    shown = []
+    if REDIS_PASSWORD_ENV in env and not password_from_file:
+        shown.append(f"the Redis password (set ${REDIS_PASSWORD_ENV} or use "
+                     "--redis-password-file instead)")
+    if TENANT_SALT_ENV in env:
+        shown.append(f"the tenant salt (set ${TENANT_SALT_ENV} and give --kvtier "
+                     f"tenant_salt={ENV_PREFIX}{TENANT_SALT_ENV} instead)")
+    if shown:
+        print("kvtier serve: this command line holds " + " and ".join(shown) + ": other "
+              "users of the host can read it (ps) until vLLM's server starts, and the "
+              "shell's history keeps it (vLLM gets it from the environment)", file=sys.stderr)
+
+
 def own_flags() -> list[str]:
     """``kvtier serve``'s own option names."""
     parser = argparse.ArgumentParser(add_help=False)
@@ -382,6 +449,8 @@ def run(args: argparse.Namespace, vllm_args: Sequence[str]) -> int:
     extra = extra_config(args)
     check_one_block_per_slot(extra, vllm_args)
     public, env = without_secrets(extra)
+    add_password_file(args.redis_password_file, extra, env)
+    note_secrets_in_argv(env, password_from_file=args.redis_password_file is not None)
     argv = vllm_arguments(vllm_args, public)
     note_stale_gauges(vllm_args)
     if args.print_command:

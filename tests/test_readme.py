@@ -27,7 +27,8 @@ OTHER_FLAGS = frozenset({
     # vLLM's (kvtier serve passes them on) and its client's
     "--api-server-count", "--block-size", "--dataset-name", "--dtype", "--enforce-eager",
     "--gpu-memory-utilization", "--kv-cache-memory-bytes", "--kv-transfer-config",
-    "--max-model-len", "--mm-processor-kwargs", "--port", "--timed-trace-chunk-hash-size",
+    "--max-model-len", "--mm-processor-kwargs", "--num-gpu-blocks-override", "--port",
+    "--timed-trace-chunk-hash-size",
     "--trust-remote-code",
     "--shm-size",  # docker's
     "--cpu-byte",  # the misspelling kvtier serve catches

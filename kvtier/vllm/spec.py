@@ -31,6 +31,7 @@ from kvtier.vllm.block_hashing import unshared_keys_reason
 from kvtier.vllm.identity import find_vllm_config, lora_reason, model_identity
 from kvtier.vllm.metrics import metric_definitions
 from kvtier.vllm.settings import ConfigError, KVTierSettings, one_block_per_slot_error
+from kvtier.vllm.startup import share_vllm_log_handlers, tiers_line
 from kvtier.vllm.worker import VllmSlotWorker
 
 logger = logging.getLogger(__name__)
@@ -95,6 +96,7 @@ class KVTierSpec(OffloadingSpec):
 
     def __init__(self, config: OffloadingConfig) -> None:
         super().__init__(config)
+        share_vllm_log_handlers()  # before the first record: vLLM's log shows kvtier's
         self.settings = KVTierSettings.from_extra_config(self.extra_config)
         if self.blocks_per_chunk != 1:
             raise one_block_per_slot_error(
@@ -122,7 +124,7 @@ class KVTierSpec(OffloadingSpec):
     def _count_slots(self, config: OffloadingConfig) -> int:
         if self.slot_bytes <= 0:
             return 0
-        stride = -(-self.slot_bytes // DEFAULT_ALIGNMENT) * DEFAULT_ALIGNMENT
+        stride = self._slot_stride()
         ranks = max(1, config.parallel.world_size)
         num_slots = self.settings.cpu_bytes_to_use // (stride * ranks)
         if num_slots < 1:
@@ -147,7 +149,21 @@ class KVTierSpec(OffloadingSpec):
                 lease_timeout_s=s.lease_timeout_s,
             )
             self._manager = KVTierOffloadingManager(manager, self._cascade(manager))
+            self._log_tiers()
         return self._manager
+
+    def _log_tiers(self) -> None:
+        """The scheduler's one start-up line: which tiers are active (``tiers_line``)."""
+        s = self.settings
+        shared = s.disk_path is not None or s.redis_url is not None
+        logger.info("%s", tiers_line(
+            s, num_slots=self.num_slots, slot_stride=self._slot_stride(),
+            ranks=max(1, self.config.parallel.world_size),
+            namespace=self.namespace(0) if shared else None))
+
+    def _slot_stride(self) -> int:
+        """Bytes one slot takes in a rank's region (a block, 4 KiB aligned)."""
+        return -(-self.slot_bytes // DEFAULT_ALIGNMENT) * DEFAULT_ALIGNMENT
 
     def model_identity(self) -> ModelIdentity:
         """The model's weights and effective config, fingerprinted once
