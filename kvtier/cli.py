@@ -277,6 +277,7 @@ def _add_serve(commands: Any) -> None:
 
     p = commands.add_parser(
         "serve", allow_abbrev=False,
+        usage="%(prog)s MODEL [kvtier serve options] [vllm serve options]",
         help="vLLM's OpenAI-compatible server with kvtier as its offloading spec",
         description="Run 'vllm serve MODEL ...' with kvtier configured from these flags "
         "(validated first). Every other argument goes to vllm serve unchanged: see "

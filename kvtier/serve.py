@@ -405,6 +405,23 @@ def _option_value(vllm_args: Sequence[str], names: tuple[str, ...]) -> str | Non
     return value
 
 
+MODEL_OPTIONS = ("--model", "--config")
+"""vLLM options that can name the model instead of ``vllm serve MODEL``
+(``--config`` a YAML file that may)."""
+
+
+def check_model_named(vllm_args: Sequence[str]) -> None:
+    """``ServeError`` when the arguments cannot name a model: no argument that
+    is not an option (a model, or an option's value) and none of
+    ``MODEL_OPTIONS``. vLLM would fall back to a default hub model, and fail
+    seconds later on a machine without its weights or a route to the hub."""
+    for arg in vllm_args:
+        if not arg.startswith("-") or arg.partition("=")[0] in MODEL_OPTIONS:
+            return
+    raise ServeError("name the model to serve: kvtier serve MODEL [options] "
+                     "(a model directory or a hub id)")
+
+
 def api_servers(vllm_args: Sequence[str]) -> int:
     """How many API server processes ``vllm serve`` will run: ``--api-server-count``,
     by default the data-parallel size (1 when either cannot be read)."""
@@ -446,6 +463,7 @@ def print_command(argv: list[str], env: dict[str, str]) -> None:
 
 def run(args: argparse.Namespace, vllm_args: Sequence[str]) -> int:
     """``kvtier serve``: validate, then become the server (or print the command)."""
+    check_model_named(vllm_args)
     extra = extra_config(args)
     check_one_block_per_slot(extra, vllm_args)
     public, env = without_secrets(extra)

@@ -375,3 +375,26 @@ def test_the_readme_serve_examples_leave_kvtier_work_to_show() -> None:
         engine_tokens = blocks * block
         assert model_len <= engine_tokens < distinct * prompt_tokens, shlex.join(example)
         assert prompt_tokens + max_tokens <= model_len
+
+
+# ------------------------------------------------------ kvtier serve without a model
+@pytest.mark.parametrize("args", [["/models/m"], ["--port", "8000"], ["--model", "/models/m"],
+                                  ["--model=/models/m"], ["--config", "serve.yaml"]])
+def test_serve_goes_on_when_the_arguments_may_name_a_model(
+        capsys: pytest.CaptureFixture[str], args: list[str]) -> None:
+    from kvtier.cli import main
+
+    code = main(["serve", *args, "--cpu-bytes", "1MiB", "--print-command"])
+    assert code == 0, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args", [[], ["--enforce-eager"], ["--block-size=32"]])
+def test_serve_without_a_model_is_refused_before_vllm_starts(
+        capsys: pytest.CaptureFixture[str], args: list[str]) -> None:
+    """vLLM would serve its default hub model: seconds of imports, then a
+    traceback about reaching the hub. kvtier says what is missing, at once."""
+    from kvtier.cli import main
+
+    code = main(["serve", "--cpu-bytes", "1MiB", *args, "--print-command"])
+    err = capsys.readouterr().err
+    assert code == 2 and "name the model to serve: kvtier serve MODEL" in err
