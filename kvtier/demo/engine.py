@@ -52,6 +52,9 @@ class EngineSettings:
     prefix_caching_hash_algo: str = "sha256"
     """vLLM's block hashing (``kvtier.vllm.block_hashing``: the fast ones need
     ``PYTHONHASHSEED`` for another process to share the keys)."""
+    engine_args: Mapping[str, Any] | None = None
+    """Further ``vllm.LLM`` keyword arguments (e.g. ``max_num_batched_tokens``,
+    ``enable_lora``); they override the settings above."""
 
 
 def cpu_thread_binding(ranks: int) -> str:
@@ -110,8 +113,7 @@ def start_engine(
             kv_connector_extra_config=dict(extra_config),
         )
     try:
-        return LLM(
-            model=str(model),
+        args: dict[str, Any] = dict(
             block_size=s.block_size,
             max_model_len=s.max_model_len,
             num_gpu_blocks_override=s.num_gpu_blocks,
@@ -126,6 +128,7 @@ def start_engine(
             hf_overrides=dict(s.hf_overrides or {}),
             prefix_caching_hash_algo=s.prefix_caching_hash_algo,
         )
+        return LLM(model=str(model), **{**args, **(s.engine_args or {})})
     except BaseException:
         _cleanup()  # a failed start leaves vLLM's process-wide state set up
         raise
@@ -210,8 +213,9 @@ def region_path(llm: LLM, rank: int = 0) -> Path:
     return default_shm_dir() / shared_region_name(engine_id(llm), rank)
 
 
-def _kvtier_adapter(llm: LLM) -> KVTierOffloadingManager:
-    """The engine's kvtier offloading manager (vLLM's side of the contract)."""
+def kvtier_adapter(llm: LLM) -> KVTierOffloadingManager:
+    """The engine's kvtier offloading manager (vLLM's side of the contract);
+    needs a single-process engine, errors as :func:`kvtier_manager`."""
     from kvtier.vllm.adapter import KVTierOffloadingManager
 
     core = getattr(llm.llm_engine.engine_core, "engine_core", None)
@@ -233,13 +237,13 @@ def kvtier_manager(llm: LLM) -> OffloadManager:
     Raises ``RuntimeError`` when the scheduler runs in another process
     (``VLLM_ENABLE_V1_MULTIPROCESSING=1``) or the engine has no kvtier.
     """
-    return _kvtier_adapter(llm).manager
+    return kvtier_adapter(llm).manager
 
 
 def kvtier_cascade(llm: LLM) -> TierCascade:
     """The engine's kvtier tier cascade (disk/Redis); errors as :func:`kvtier_manager`,
     and ``RuntimeError`` when no lower tier is configured."""
-    cascade = _kvtier_adapter(llm).cascade
+    cascade = kvtier_adapter(llm).cascade
     if cascade is None:
         raise RuntimeError("the engine's kvtier has no disk or Redis tier")
     return cascade
