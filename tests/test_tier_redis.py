@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -686,3 +687,26 @@ def test_redis_probe_hitting_the_connection_limit_does_not_delay_recovery() -> N
         assert tier._breaker.allow(), "recovery waited another open_s"
     finally:
         tier.close()
+
+
+def test_a_probe_batch_is_one_round_trip(
+        server: RedisServer, raw: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM asks about every key of a waiting prompt in one pass, and the
+    cascade sends a step's unknown keys as one probe batch (kvtier/tiers/
+    probes.py): a request waits for its answer, so the batch must be one
+    round trip, not one per ``max_batch_keys`` (32 by default)."""
+    sent: list[int] = []
+    execute = redis.client.Pipeline.execute
+
+    def counting(pipe: Any, *args: Any, **kwargs: Any) -> Any:
+        sent.append(len(pipe.command_stack))
+        return execute(pipe, *args, **kwargs)
+
+    monkeypatch.setattr(redis.client.Pipeline, "execute", counting)
+    tier = make(server.url)
+    keys = [block_key(i) for i in range(300)]
+    assert tier.put([(k, payload(i)) for i, k in enumerate(keys[:100])]) == [True] * 100
+    sent.clear()
+    assert tier.contains(keys) == [True] * 100 + [False] * 200
+    assert sent == [300]
+    tier.close()

@@ -11,8 +11,9 @@ delete that timed out may still have run: the value is then simply gone).
 ``get_into`` wants a payload of exactly its buffer's size (a CPU slot; the
 namespace fixes a block's size): a valid value of another length is a bad
 value too (``wrong length``), never a hit. All batch calls are
-pipelined (one round trip per batch of up to ``max_batch_keys`` keys /
-``max_batch_bytes`` bytes, which also bounds the memory a call holds, as long
+pipelined: ``contains`` asks up to ``MAX_EXISTS_KEYS`` keys a round trip, the
+others send one batch of up to ``max_batch_keys`` keys / ``max_batch_bytes``
+bytes a round trip, which also bounds the memory a call holds, as long
 as the values are of the sizes asked for: GET reads a value whole before its
 length can be checked, so one that another client made larger, up to the
 server's ``proto-max-bulk-len``, is held whole before it is refused; the
@@ -160,6 +161,13 @@ class RedisTier(Tier):
 
     name = "redis"
     remote = True
+
+    MAX_EXISTS_KEYS = 4096
+    """Keys one ``contains`` pipeline asks about: EXISTS replies are integers,
+    so a larger batch costs no memory worth bounding by ``max_batch_keys``,
+    and a scheduler step's probes (every unknown key of every waiting
+    request's prompt, which vLLM asks in one pass) take one round trip, not
+    one per ``max_batch_keys``."""
 
     def __init__(
         self,
@@ -417,8 +425,8 @@ class RedisTier(Tier):
         self._check_open()
         keys = check_batch(keys)
         out: list[bool] = []
-        for start in range(0, len(keys), self.max_batch_keys):
-            chunk = keys[start : start + self.max_batch_keys]
+        for start in range(0, len(keys), self.MAX_EXISTS_KEYS):
+            chunk = keys[start : start + self.MAX_EXISTS_KEYS]
 
             def exists(client: Any, chunk: list[bytes] = chunk) -> list[Any]:
                 return self._pipelined(client, chunk,
