@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+import operator
+from collections.abc import Sequence
 
 from kvtier.keys import check_keys
 
@@ -36,7 +38,11 @@ class RequestContext:
       counts; ``writing``: keys it was granted for storing and has not completed;
     * ``stale_loads`` / ``stale_stores``: completions it still owes for loads
       and stores from before a ``reset()``, with counts; they are consumed
-      before current ones (completions of one key arrive in order).
+      before current ones (completions of one key arrive in order);
+    * the access order kept up to date (``access_order_view``): the access
+      log's distinct keys in first-seen order and, once every one has a
+      position, in position order, extended by each call with the keys logged
+      since the one before (at most four references per distinct key).
 
     Every set is bounded by the number of distinct keys the request passes to
     the manager, that is by its prompt's block count. ``epoch`` ties the state
@@ -64,6 +70,12 @@ class RequestContext:
         "owner",
         "epoch",
         "lease_deadline",
+        "_order_lists",
+        "_order_positions",
+        "_order_seen",
+        "_order_first",
+        "_order_unplaced",
+        "_order_sorted",
     )
 
     def __init__(self, req_id: str) -> None:
@@ -88,6 +100,20 @@ class RequestContext:
         self.owner: object | None = None
         self.epoch = -1
         self.lease_deadline = 0.0
+        self._order_lists: list[list[bytes]] = []
+        """The access log's lists the order below was built from (at most
+        ``MAX_ACCESS_LISTS + 1``: the log's own bound)."""
+        self._order_positions: dict[bytes, int] | None = None
+        """The ``positions`` dict it was built with (rebinding it rebuilds)."""
+        self._order_seen: set[bytes] = set()
+        self._order_first: list[bytes] = []
+        """The distinct keys of those lists, in first-seen order."""
+        self._order_unplaced: set[bytes] = set()
+        """Keys of ``_order_first`` that had no position when last looked at."""
+        self._order_sorted: list[bytes] | None = None
+        """The first ``len(_order_sorted)`` keys of ``_order_first`` by position
+        (ties in first-seen order), as of the last call when all had one; None
+        before, or since a position changed."""
 
     def set_position(self, key: bytes, end_token: int) -> None:
         """Record that ``key``'s block ends at token ``end_token`` of this request."""
@@ -95,7 +121,10 @@ class RequestContext:
             raise TypeError(f"key must be bytes, not {type(key).__name__}")
         if isinstance(end_token, bool) or not isinstance(end_token, int) or end_token < 0:
             raise ValueError(f"end_token must be a non-negative int, got {end_token!r}")
-        self.positions[key] = end_token
+        positions = self.positions
+        if positions.get(key, end_token) != end_token:
+            self._order_sorted = None  # a key's place may move: sort again
+        positions[key] = end_token
 
     def set_positions(self, keys: list[bytes], first_end: int, step: int) -> None:
         """Record positions ``first_end, first_end + step, ...`` for consecutive keys
@@ -107,16 +136,22 @@ class RequestContext:
                              f"{step!r}")
         keys = check_keys(keys)
         ends = range(first_end, first_end + step * len(keys), step)
-        self.positions.update(zip(keys, ends, strict=True))
+        positions = self.positions
+        if self._order_sorted is not None and positions and any(
+                map(operator.ne, map(positions.get, keys, ends), ends)):
+            self._order_sorted = None  # a key's place may move: sort again
+        positions.update(zip(keys, ends, strict=True))
 
     def log_access(self, keys: list[bytes]) -> None:
         """Remember that the request used ``keys`` (a list the caller will not change)."""
         log = self.access_log
         log.append(keys)
         if len(log) > MAX_ACCESS_LISTS:
-            merged = self.accessed_keys()
+            self._update_first_seen()
+            merged = self._order_first.copy()  # the same keys: the order stands
             log.clear()
             log.append(merged)
+            self._order_lists = [merged]
 
     def accessed_keys(self) -> list[bytes]:
         """Distinct keys of the access log, in first-seen order."""
@@ -127,12 +162,93 @@ class RequestContext:
 
     def access_order(self) -> list[bytes]:
         """Every key the request used, head first (by position when all are
-        known; in first-use order otherwise)."""
-        keys = self.accessed_keys()
-        positions = self.positions
-        if positions and positions.keys() >= set(keys):
-            keys.sort(key=positions.__getitem__)
-        return keys
+        known; in first-use order otherwise). A new list."""
+        return list(self.access_order_view())
+
+    def access_order_view(self) -> Sequence[bytes]:
+        """``access_order()`` without the copy: the context's own list, valid
+        until its next call; the caller must not change it.
+
+        Kept up to date rather than rebuilt: a call costs O(keys logged since
+        the call before) in the common case of keys placed past all earlier
+        ones (chunked prefill); keys placed among earlier ones cost a merge,
+        O(keys); a first call, a rebound ``positions`` dict, an access log
+        changed other than by ``log_access``, or a position changed through
+        ``set_position(s)`` cost a rebuild. Exact as long as a key's position,
+        once set, is neither changed other than through ``set_position(s)``
+        nor removed from ``positions`` (vLLM's scheduler sets each key's end
+        token once, from its block index).
+        """
+        self._update_first_seen()
+        if not self._all_placed():
+            return self._order_first
+        return self._sorted_order()
+
+    def _update_first_seen(self) -> None:
+        """Bring the first-seen keys up to date with the access log: add the
+        keys of lists logged since, or start over when the log or the
+        positions dict is not the one they were built from (O(log lists))."""
+        log, positions = self.access_log, self.positions
+        built = self._order_lists
+        if (positions is not self._order_positions or len(log) < len(built)
+                or not all(map(operator.is_, log, built))):
+            self._forget_order()
+            self._order_positions = positions
+            new = self.accessed_keys() if log else []
+        elif len(log) > len(built):
+            more = log[len(built):]
+            seen = self._order_seen
+            new = [k for k in dict.fromkeys(itertools.chain.from_iterable(more))
+                   if k not in seen]
+        else:
+            return
+        self._order_lists = list(log)
+        if new:
+            self._order_seen.update(new)
+            self._order_first.extend(new)
+            self._order_unplaced.update(k for k in new if k not in positions)
+
+    def _forget_order(self) -> None:
+        self._order_lists = []
+        self._order_positions = None
+        self._order_seen = set()
+        self._order_first = []
+        self._order_unplaced = set()
+        self._order_sorted = None
+
+    def _all_placed(self) -> bool:
+        """Whether every first-seen key has a position. Drops the keys that got
+        one since (positions are only added) and stops at the first still
+        missing: O(1 + keys placed since) a call."""
+        unplaced = self._order_unplaced
+        if unplaced:
+            positions = self.positions
+            placed = []
+            for key in unplaced:
+                if key not in positions:
+                    break
+                placed.append(key)
+            unplaced.difference_update(placed)
+        return not unplaced
+
+    def _sorted_order(self) -> list[bytes]:
+        """The first-seen keys (all placed) by position, ties in first-seen
+        order. ``_order_sorted`` holds the first ``len(_order_sorted)`` of them
+        sorted; the rest are new since."""
+        by_position = self.positions.__getitem__
+        order = self._order_sorted
+        if order is None:  # the first sort, or a position changed
+            order = self._order_sorted = sorted(self._order_first, key=by_position)
+            return order
+        if len(order) < len(self._order_first):
+            new = sorted(self._order_first[len(order):], key=by_position)  # stable
+            tail_before = by_position(order[-1]) if order else None
+            order.extend(new)
+            if tail_before is not None and by_position(new[0]) < tail_before:
+                # placed among earlier keys: a stable sort merges the two sorted
+                # runs, earlier keys first on ties (as first seen)
+                order.sort(key=by_position)
+        return order
 
     def asked_from(self, keys: list[bytes]) -> int:
         """Index of the first of ``keys`` (an ``access_order``, head first) that
@@ -157,6 +273,7 @@ class RequestContext:
     def clear_request_state(self) -> None:
         """Forget everything but identity, owed completions and the epoch."""
         self.access_log.clear()
+        self._forget_order()
         self.inserted.clear()
         self.reused.clear()
         self.counted.clear()
