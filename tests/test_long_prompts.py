@@ -17,6 +17,7 @@ import importlib.util
 import itertools
 import random
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -61,9 +62,13 @@ class CountingNoRunningOrder(CountingLRU):
 
 
 def offer_in_chunks(mgr: OffloadManager, ctx: CountingContext, blocks: int,
-                    chunk: int) -> list[int]:
+                    chunk: int, work: Callable[[], int] | None = None) -> list[int]:
     """Offer ``blocks`` keys in chunks as vLLM does (stores complete a step
-    later); return the keys walked (access log + keep_ahead) at each offer."""
+    later); return the work counted at each offer: ``work()``'s rise, by
+    default the keys walked (access log + keep_ahead). Every offer is stored."""
+    if work is None:
+        def work() -> int:
+            return ctx.walked + CountingLRU.kept
     keys = [block_key(i) for i in range(blocks)]
     per_offer = []
     granted: list[bytes] = []
@@ -72,10 +77,10 @@ def offer_in_chunks(mgr: OffloadManager, ctx: CountingContext, blocks: int,
         ctx.set_positions(offer, (start + 1) * BLOCK_TOKENS, BLOCK_TOKENS)
         if granted:
             mgr.complete_store(granted, ctx)
-        before = ctx.walked + CountingLRU.kept
+        before = work()
         out = mgr.prepare_store(offer, ctx)
-        per_offer.append(ctx.walked + CountingLRU.kept - before)
-        assert out is not None
+        per_offer.append(work() - before)
+        assert out is not None and out.keys_to_store == offer
         granted = out.keys_to_store
     return per_offer
 
@@ -144,19 +149,8 @@ def listing_work_per_offer(blocks: int, chunk: int) -> list[int]:
     ctx = CountingContext("long")
     positions = CountingPositions()
     ctx.positions = positions
-    keys = [block_key(i) for i in range(blocks)]
-    per_offer, granted = [], []
-    for start in range(0, blocks, chunk):
-        offer = keys[start:start + chunk]
-        ctx.set_positions(offer, (start + 1) * BLOCK_TOKENS, BLOCK_TOKENS)
-        if granted:
-            mgr.complete_store(granted, ctx)
-        before = ctx.walked + positions.looked_up
-        out = mgr.prepare_store(offer, ctx)
-        per_offer.append(ctx.walked + positions.looked_up - before)
-        assert out is not None and out.keys_to_store == offer
-        granted = out.keys_to_store
-    return per_offer
+    return offer_in_chunks(mgr, ctx, blocks, chunk,
+                           lambda: ctx.walked + positions.looked_up)
 
 
 @pytest.mark.parametrize("blocks,chunk", [(4096, 128), (8192, 64)])  # 64: merged logs
