@@ -117,6 +117,7 @@ def test_kvtier_serve_serves_a_pushed_out_prompt_from_kvtier(
     assert prom.value(m, "vllm:external_prefix_cache_hits_total") == OFFLOADED_TOKENS
     assert prom.value(m, "vllm:kvtier_hits_total") == OFFLOADED_TOKENS // 32
     check_vllm_offload_metrics(m)
+    check_dashboard_engine_metrics(m)
     # the default policy reports its active configuration
     assert prom.value(m, "vllm:kvtier_policy_history_factor") in AdaptivePolicy.FACTORS
     assert prom.value(m, "vllm:kvtier_policy_admission") in (0, 1)
@@ -124,6 +125,17 @@ def test_kvtier_serve_serves_a_pushed_out_prompt_from_kvtier(
     assert server.leftovers == []  # no process of the server's session outlived it
     assert regions  # the server made one
     assert [r for r in regions if r.exists()] == []  # and it left /dev/shm
+
+
+def check_dashboard_engine_metrics(m: prom.Samples) -> None:
+    """vLLM's engine series that docs/grafana-kvtier.json and the alert rules
+    use (tests/test_dashboard.py checks kvtier's own) are on a real server's
+    /metrics, under the name and type the dashboard test assumed."""
+    from test_dashboard import SUFFIXES, VLLM_ENGINE_METRICS
+
+    names = {name for name, _ in m}
+    for family, kind in VLLM_ENGINE_METRICS.items():
+        assert family + SUFFIXES[kind][0] in names, family
 
 
 def check_vllm_offload_metrics(m: prom.Samples) -> None:

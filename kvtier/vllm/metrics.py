@@ -68,6 +68,9 @@ PER_TIER_COUNTERS = {
                     "refused or failed); misses, counted again at each read.",
     "evictions": "Blocks this tier evicted itself (disk; Redis evicts server-side).",
     "errors": "I/O or server failures.",
+    "breaker_opens": "Times the tier's circuit breaker opened (Redis). An opening whose "
+                     "probe closed it again within reset_timeout_s (1 s by default) may "
+                     "fall between two scrapes of vllm:kvtier_tier_available; this counts it.",
     "lookup_timeouts": "Disk lookups of blocks other engines wrote that got no answer "
                        f"within {DEFAULT_LOOKUP_TIMEOUT_S} s (disk_lookups=thread): misses.",
     "read_ms": "Milliseconds I/O threads spent reading this tier (promotions); "
