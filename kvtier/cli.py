@@ -433,6 +433,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     check_policies(args.policy)
     check_sizes_fit(max(args.capacity), args.gpu_blocks)
     _check_engine_options(args)
+    _check_bounds_only(args)
     _check_plot(args)
     if args.disk_blocks is None:
         for option in ("--disk-store-threshold", "--disk-write-policy"):
@@ -441,9 +442,10 @@ def cmd_replay(args: argparse.Namespace) -> int:
     if args.gpu_batch_tokens is not None and args.gpu_blocks is None:
         raise CommandError("--gpu-batch-tokens needs --gpu-blocks")
     path: Path = args.trace if args.trace is not None else BUNDLED_TRACE
+    loaded = load_requests(path, args.limit_requests)
     try:
-        trace = rekeyed(load_requests(path)[: args.limit_requests], args.key_seed)
-    except ValueError as exc:
+        trace = rekeyed(loaded, args.key_seed)
+    except ValueError as exc:  # two hash ids landed on one: only this seed's fault
         raise CommandError(f"--key-seed: {exc}") from None
     keys = trace_keys(trace)
     policies = [p for p in args.policy if p not in BOUNDS]
@@ -487,7 +489,8 @@ def _cmd_replay_tiered(args: argparse.Namespace, path: Path, keys: list[list[byt
     """``kvtier replay --disk-blocks N``: each policy x capacity x threshold x disk
     threshold x disk write policy through CPU slots + a disk tier
     (``kvtier.replay.tiered``)."""
-    if args.driver != "sequential" or args.bounds or args.plot is not None or not policies:
+    if (args.driver != "sequential" or args.bounds or args.plot is not None
+            or len(policies) < len(args.policy)):
         raise CommandError("--disk-blocks runs the sequential driver over real policies "
                            "only (no --driver engine, --bounds, --plot, opt or infinite)")
     if args.block_bytes is not None:  # its rows have no bytes_written to scale
@@ -573,7 +576,7 @@ def _check_gpu_blocks(args: argparse.Namespace, trace: Sequence[TraceRequest],
     options ``--gpu-blocks`` cannot run with, a request without an input length,
     or one longer than the engine cache."""
     from kvtier.replay.behind_engine import check_fits, served_requests
-    from kvtier.replay.serving_trace import MissingLengthError, missing_length_message
+    from kvtier.replay.serving_trace import UnservableRequestError, missing_length_message
 
     if args.disk_blocks is not None:
         raise CommandError("--gpu-blocks cannot be combined with --disk-blocks")
@@ -590,7 +593,7 @@ def _check_gpu_blocks(args: argparse.Namespace, trace: Sequence[TraceRequest],
     try:
         served = served_requests(trace)
         check_fits(served, args.gpu_blocks)
-    except MissingLengthError as exc:
+    except UnservableRequestError as exc:
         raise CommandError(missing_length_message("--gpu-blocks", path, exc)) from None
     except ValueError as exc:
         raise CommandError(f"--gpu-blocks {args.gpu_blocks}: {exc}") from None
@@ -613,6 +616,20 @@ def _check_engine_options(args: argparse.Namespace) -> None:
         raise CommandError(f"--max-delay must be >= 0, got {args.max_delay}")
     if args.preempt is not None and not 0.0 <= args.preempt < 1.0:
         raise CommandError(f"--preempt must be in [0, 1), got {args.preempt}")
+
+
+def _check_bounds_only(args: argparse.Namespace) -> None:
+    """``CommandError`` for options that only change policies' replays when
+    ``--policy`` names bounds only: their rows would come out as without them."""
+    if any(name not in BOUNDS for name in args.policy):
+        return
+    if args.driver == "engine" and args.gpu_blocks is None:
+        raise CommandError("--driver engine changes how policies are replayed; "
+                           f"--policy {','.join(args.policy)} names bounds only, whose "
+                           "rows do not depend on it (add a policy, or drop --driver)")
+    if args.store_threshold != [1]:
+        raise CommandError("--store-threshold applies to policies; the opt and infinite "
+                           "rows keep every block (threshold 1): add a policy to --policy")
 
 
 def _engine_config(args: argparse.Namespace) -> EngineConfig:

@@ -82,7 +82,7 @@ from kvtier.replay.engine_schedule import (
     private_key,
 )
 from kvtier.replay.gpu_cache import GpuPrefixCache
-from kvtier.replay.serving_trace import DEFAULT_OUTPUT_CAP, scaled
+from kvtier.replay.serving_trace import DEFAULT_OUTPUT_CAP, NoPromptError, scaled
 from kvtier.replay.trace import TraceRequest
 from kvtier.request import RequestContext
 
@@ -137,15 +137,16 @@ def served_requests(trace: Iterable[TraceRequest], block_tokens: int = ENGINE_BL
     then expands the hash ids into at most ``input_length`` tokens, one block
     each (so no more than ``block_tokens * len(hash_ids)``). Keys are the
     full blocks' (``trace_keys``; equal hash ids share one key object).
-    ``ValueError`` for a request without prompt tokens: no hash ids, or
-    ``serving_trace.MissingLengthError`` for hash ids without an input length.
+    ``serving_trace.NoPromptError`` for a request without hash ids, and
+    ``serving_trace.MissingLengthError`` for hash ids without an input length
+    (both ``ValueError``).
     """
     requests = list(scaled(trace, block_tokens, output_cap))
     out = []
     for i, (request, keys) in enumerate(zip(requests, trace_keys(requests), strict=True)):
         prompt = min(request.input_length, block_tokens * len(request.hash_ids))
         if prompt < 1:
-            raise ValueError(f"request {i} has no prompt tokens (no hash_ids)")
+            raise NoPromptError(i)
         out.append(ServedRequest(keys[: prompt // block_tokens], prompt,
                                  request.output_length))
     return out

@@ -42,17 +42,17 @@ def cmd_foresight(args: argparse.Namespace) -> int:
     """Run the three rankings and LRU; print the table (or JSON)."""
     from kvtier.cli import check_sizes_fit
     from kvtier.replay.foresight import asked_streams, readings, rows, run, table
-    from kvtier.replay.serving_trace import MissingLengthError, missing_length_message
+    from kvtier.replay.serving_trace import UnservableRequestError, missing_length_message
 
     check_sizes_fit(gpu_blocks=args.gpu_blocks)
     path = args.trace or BUNDLED_TRACE
-    loaded = load_requests(path)[: args.limit_requests]
+    loaded = load_requests(path, args.limit_requests)
     try:
         requests = asked_streams(loaded, args.gpu_blocks or 0)
-    except MissingLengthError as exc:  # how many tokens its blocks hold is unknown
+    except UnservableRequestError as exc:  # no prompt, or its tokens are unknown
         raise CommandError(missing_length_message("--gpu-blocks", path, exc)) from None
     except ValueError as exc:  # the engine cannot hold the longest request
-        raise CommandError(str(exc)) from None
+        raise CommandError(f"--gpu-blocks {args.gpu_blocks}: {exc}") from None
     results = run(requests, args.capacity, args.windows, not args.no_progress)
     if args.json:
         print(json.dumps(rows(results), indent=1))

@@ -28,32 +28,51 @@ from kvtier.replay.trace import (
 DEFAULT_OUTPUT_CAP = 8
 
 
-class MissingLengthError(ValueError):
-    """A request has ``hash_ids`` but no ``input_length`` (absent or 0): how many
-    tokens its blocks hold is unknown, so it cannot be served as the engine
-    serves it. ``index`` is the request's position in the trace (from 0);
-    ``where`` names it in the message (default ``request INDEX``)."""
+class UnservableRequestError(ValueError):
+    """A request that cannot be served as the engine serves it. ``index`` is
+    the request's position in the trace (from 0); ``where`` names it in the
+    message (default ``request INDEX``); ``needs`` says what it lacks."""
+
+    problem = "cannot be served"
+    needs = "prompt tokens"
 
     def __init__(self, index: int, where: str = "") -> None:
-        super().__init__(f"{where or f'request {index}'} has hash_ids but no "
-                         "input_length (absent or 0)")
+        super().__init__(f"{where or f'request {index}'} {self.problem}")
         self.index = index
 
 
-def located(exc: MissingLengthError, path: Path) -> MissingLengthError:
+class MissingLengthError(UnservableRequestError):
+    """A request has ``hash_ids`` but no ``input_length`` (absent or 0): how many
+    tokens its blocks hold is unknown, so it cannot be served as the engine
+    serves it."""
+
+    problem = "has hash_ids but no input_length (absent or 0)"
+    needs = "input_length (its prompt tokens)"
+
+
+class NoPromptError(UnservableRequestError):
+    """A request without ``hash_ids``: vLLM's client expands them into the
+    prompt, so its prompt would be empty."""
+
+    problem = "has no prompt tokens (no hash_ids)"
+    needs = "hash_ids (its prompt's blocks)"
+
+
+def located(exc: UnservableRequestError, path: Path) -> UnservableRequestError:
     """``exc`` naming the line of the trace at ``path`` its request is on."""
     try:
-        where = f"{path} line {request_line(path, exc.index)}"
+        lineno = request_line(path, exc.index)
     except OSError:
-        where = f"request {exc.index + 1} of {path}"
-    return MissingLengthError(exc.index, where)
+        lineno = 0
+    # 0: a pipe, already read to its end, cannot be read again to count lines
+    where = f"{path} line {lineno}" if lineno else f"request {exc.index + 1} of {path}"
+    return type(exc)(exc.index, where)
 
 
-def missing_length_message(option: str, path: Path, exc: MissingLengthError) -> str:
-    """The usage error for ``exc``: ``option`` needs token lengths, and where
-    in the trace at ``path`` the request without one is."""
-    return (f"{option} needs each request's input_length (its prompt tokens); "
-            f"{located(exc, path)}")
+def missing_length_message(option: str, path: Path, exc: UnservableRequestError) -> str:
+    """The usage error for ``exc``: ``option`` needs what the request lacks
+    (token lengths, hash ids), and where in the trace at ``path`` it is."""
+    return f"{option} needs each request's {exc.needs}; {located(exc, path)}"
 
 
 def scaled(requests: Iterable[TraceRequest], tokens_per_block: int = 32,

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,6 +15,11 @@ from kvtier.errors import CommandError, KVTierError
 
 MOONCAKE_BLOCK_TOKENS = 512
 """Tokens per ``hash_ids`` block in the Mooncake traces."""
+
+UTF8_BOM = b"\xef\xbb\xbf"
+"""What some editors and Windows tools write before a UTF-8 file's first line."""
+GZIP_MAGIC = b"\x1f\x8b"
+"""The first bytes of a gzip file."""
 
 BUNDLED_TRACE = (
     Path(__file__).resolve().parents[2] / "data" / "mooncake" / "conversation_trace.jsonl"
@@ -47,7 +54,8 @@ def _length(obj: dict[str, Any], name: str, where: str) -> int:
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise TraceFormatError(f"{where}: {name!r} must be a non-negative int, got {value!r}")
+        raise TraceFormatError(
+            f"{where}: {name!r} must be a non-negative int, got {_shown(value)}")
     return value
 
 
@@ -56,10 +64,45 @@ def _timestamp(obj: dict[str, Any], where: str) -> float:
     client reads it as a float too); 0 when absent."""
     value = obj.get("timestamp", 0)
     if (isinstance(value, bool) or not isinstance(value, (int, float))
-            or not math.isfinite(value) or value < 0):
+            or not _finite(value) or value < 0):
         raise TraceFormatError(
-            f"{where}: 'timestamp' must be a non-negative number of ms, got {value!r}")
+            f"{where}: 'timestamp' must be a non-negative number of ms, got {_shown(value)}")
     return value
+
+
+def _finite(value: float) -> bool:
+    """Whether ``value`` is a finite float, or an int a float can hold (a
+    timestamp goes to vLLM's client as a float; ``math.isfinite`` raises
+    OverflowError for an int beyond the float range)."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
+SHOWN_CHARS = 40
+"""Characters of a bad value an error message quotes: a line may hold a
+number of thousands of digits or a list of thousands of items."""
+
+
+def _shown(value: object) -> str:
+    """``repr(value)``, cut to ``SHOWN_CHARS`` characters."""
+    text = repr(value)
+    return text if len(text) <= SHOWN_CHARS else text[: SHOWN_CHARS - 3] + "..."
+
+
+def _hash_ids(obj: dict[str, Any], where: str) -> list[int]:
+    """The line's ``hash_ids``; ``TraceFormatError`` saying what is there instead."""
+    must = f"{where}: 'hash_ids' must be a list of ints in [0, 2**64)"
+    if "hash_ids" not in obj:
+        raise TraceFormatError(f"{must}; the line has none")
+    ids = obj["hash_ids"]
+    if not isinstance(ids, list):
+        raise TraceFormatError(f"{must}, got {_shown(ids)}")
+    for i, h in enumerate(ids):
+        if isinstance(h, bool) or not isinstance(h, int) or not 0 <= h < 1 << 64:
+            raise TraceFormatError(f"{must}, got {_shown(h)} at index {i}")
+    return ids
 
 
 def parse_line(line: str, where: str) -> TraceRequest:
@@ -68,13 +111,14 @@ def parse_line(line: str, where: str) -> TraceRequest:
         obj = json.loads(line)
     except json.JSONDecodeError as exc:
         raise TraceFormatError(f"{where}: not valid JSON ({exc.msg})") from None
+    except ValueError:  # json reads no int of more digits than sys.get_int_max_str_digits()
+        raise TraceFormatError(f"{where}: holds a number too long to read (more than "
+                               f"{sys.get_int_max_str_digits()} digits)") from None
+    except RecursionError:  # json recurses once per nested list or object
+        raise TraceFormatError(f"{where}: lists or objects nested too deeply to read") from None
     if not isinstance(obj, dict):
         raise TraceFormatError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-    ids = obj.get("hash_ids")
-    if not isinstance(ids, list) or not all(
-        isinstance(h, int) and not isinstance(h, bool) and 0 <= h < 1 << 64 for h in ids
-    ):
-        raise TraceFormatError(f"{where}: 'hash_ids' must be a list of ints in [0, 2**64)")
+    ids = _hash_ids(obj, where)
     return TraceRequest(
         _timestamp(obj, where),
         _length(obj, "input_length", where),
@@ -84,14 +128,19 @@ def parse_line(line: str, where: str) -> TraceRequest:
 
 
 def iter_trace(path: str | Path) -> Iterator[TraceRequest]:
-    """Yield the requests of a Mooncake jsonl file in file order (blank lines skipped)."""
+    """Yield the requests of a Mooncake jsonl file in file order (blank lines
+    skipped, a UTF-8 byte order mark before the first line ignored). The file
+    may be a pipe (``/dev/stdin``, a shell's ``<(zcat trace.jsonl.gz)``): it is
+    read once, front to back."""
     path = Path(path)
     if path.is_dir():
         raise IsADirectoryError(f"trace path is a directory, not a file: {path}")
-    if not path.is_file():
+    if not path.exists():
         raise FileNotFoundError(f"trace file not found: {path}")
     with path.open("rb") as fh:
         for lineno, raw in enumerate(fh, 1):
+            if lineno == 1:
+                raw = _first_line(raw, path)
             if raw.strip():
                 yield parse_line(_decode(raw, f"{path}:{lineno}"), f"{path}:{lineno}")
 
@@ -103,11 +152,21 @@ def request_line(path: str | Path, index: int) -> int:
     seen = 0
     with Path(path).open("rb") as fh:
         for lineno, raw in enumerate(fh, 1):
-            if raw.strip():
+            if (raw.removeprefix(UTF8_BOM) if lineno == 1 else raw).strip():
                 if seen == index:
                     return lineno
                 seen += 1
     return 0
+
+
+def _first_line(raw: bytes, path: Path) -> bytes:
+    """The first line without a UTF-8 byte order mark (editors and Windows
+    tools write one; it is not part of the JSON). ``TraceFormatError`` when
+    the file is gzip-compressed, which the trace is not read as."""
+    if raw.startswith(GZIP_MAGIC):
+        raise TraceFormatError(f"{path}: gzip-compressed; a trace is read as plain "
+                               f"JSON lines: decompress it first (gunzip -k {path})")
+    return raw.removeprefix(UTF8_BOM)
 
 
 def _decode(raw: bytes, where: str) -> str:
@@ -123,10 +182,15 @@ def load_trace(path: str | Path) -> list[TraceRequest]:
     return list(iter_trace(path))
 
 
-def load_requests(path: Path) -> list[TraceRequest]:
-    """The trace's requests; ``CommandError`` when unreadable or empty."""
+def load_requests(path: Path, limit: int | None = None) -> list[TraceRequest]:
+    """The trace's requests, the first ``limit`` only when given (the rest of
+    the file is not read); ``CommandError`` when unreadable or empty.
+
+    Memory: the requests read, about 45 bytes per hash id (a request of the
+    bundled trace, 24 ids, about 1 KB).
+    """
     try:
-        requests = load_trace(path)
+        requests = list(itertools.islice(iter_trace(path), limit))
     except (FileNotFoundError, IsADirectoryError) as exc:
         raise CommandError(str(exc)) from None
     except TraceFormatError as exc:
