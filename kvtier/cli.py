@@ -442,7 +442,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     if args.gpu_batch_tokens is not None and args.gpu_blocks is None:
         raise CommandError("--gpu-batch-tokens needs --gpu-blocks")
     path: Path = args.trace if args.trace is not None else BUNDLED_TRACE
-    loaded = load_requests(path, args.limit_requests)
+    loaded = load_requests(path, args.limit_requests, not args.no_progress)
     try:
         trace = rekeyed(loaded, args.key_seed)
     except ValueError as exc:  # two hash ids landed on one: only this seed's fault

@@ -275,3 +275,55 @@ def test_bad_hash_ids_say_what_the_line_has(
     status, _, err = _replay(capsys, "--capacity", "2", "--policy", "lru", str(path))
     assert status == 2
     assert f"{path}:2: 'hash_ids' must be a list of ints" in err and said in err
+
+
+# --------------------------------------------------------- reading a long trace
+def _stderr_on_a_terminal(argv: list[str]) -> tuple[int, str]:
+    """Run ``python -m kvtier ARGV`` with stderr on a real pseudo-terminal;
+    (exit status, what the terminal got)."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+    import threading
+
+    master, slave = pty.openpty()
+    # a terminal of 80 columns: tqdm draws nothing on one of 0 (a new pty's size)
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    proc = subprocess.Popen([sys.executable, "-m", "kvtier", *argv], stdout=subprocess.DEVNULL,
+                            stderr=slave, env=env)
+    os.close(slave)
+    got: list[bytes] = []
+
+    def drain() -> None:  # read while it runs: a full terminal buffer would block it
+        while True:
+            try:
+                data = os.read(master, 4096)
+            except OSError:  # EIO: the child's end is closed
+                return
+            if not data:
+                return
+            got.append(data)
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    code = proc.wait(timeout=120)
+    reader.join(timeout=10)
+    os.close(master)
+    return code, b"".join(got).decode(errors="replace")
+
+
+def test_reading_a_trace_shows_a_counter_on_a_terminal(tmp_path: Path) -> None:
+    """A trace of millions of requests takes tens of seconds to read: the
+    terminal shows a counter of the requests read, not silence."""
+    trace = tmp_path / "many.jsonl"
+    trace.write_text("".join(json.dumps({"hash_ids": [i % 50, i]}) + "\n"
+                             for i in range(20_000)))
+    code, terminal = _stderr_on_a_terminal(["replay", str(trace), "--capacity", "10",
+                                            "--policy", "lru"])
+    assert code == 0, terminal
+    assert "reading many.jsonl" in terminal
+    code, terminal = _stderr_on_a_terminal(["replay", str(trace), "--capacity", "10",
+                                            "--policy", "lru", "--no-progress"])
+    assert code == 0 and "reading" not in terminal

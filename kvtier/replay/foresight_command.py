@@ -46,7 +46,7 @@ def cmd_foresight(args: argparse.Namespace) -> int:
 
     check_sizes_fit(gpu_blocks=args.gpu_blocks)
     path = args.trace or BUNDLED_TRACE
-    loaded = load_requests(path, args.limit_requests)
+    loaded = load_requests(path, args.limit_requests, not args.no_progress)
     try:
         requests = asked_streams(loaded, args.gpu_blocks or 0)
     except UnservableRequestError as exc:  # no prompt, or its tokens are unknown

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.errors import CommandError, KVTierError
+from kvtier.progress import Progress, make_progress
 
 MOONCAKE_BLOCK_TOKENS = 512
 """Tokens per ``hash_ids`` block in the Mooncake traces."""
@@ -182,21 +183,41 @@ def load_trace(path: str | Path) -> list[TraceRequest]:
     return list(iter_trace(path))
 
 
-def load_requests(path: Path, limit: int | None = None) -> list[TraceRequest]:
+LOAD_PROGRESS_EVERY = 4096
+"""Requests read between two updates of the loading counter."""
+
+
+def load_requests(path: Path, limit: int | None = None,
+                  progress: bool = False) -> list[TraceRequest]:
     """The trace's requests, the first ``limit`` only when given (the rest of
     the file is not read); ``CommandError`` when unreadable or empty.
+    ``progress``: a counter of the requests read on a terminal (a trace of
+    millions of requests takes tens of seconds to read).
 
     Memory: the requests read, about 45 bytes per hash id (a request of the
     bundled trace, 24 ids, about 1 KB).
     """
+    bar = make_progress(None, progress, unit="req")
+    bar.describe(f"reading {path.name}")
     try:
-        requests = list(itertools.islice(iter_trace(path), limit))
+        requests = _read_counted(itertools.islice(iter_trace(path), limit), bar)
     except (FileNotFoundError, IsADirectoryError) as exc:
         raise CommandError(str(exc)) from None
     except TraceFormatError as exc:
         raise CommandError(f"malformed trace: {exc}") from None
     except OSError as exc:
         raise CommandError(f"cannot read trace {path}: {exc.strerror or exc}") from None
+    finally:
+        bar.close()
     if not requests:
         raise CommandError(f"{path}: the trace has no requests")
     return requests
+
+
+def _read_counted(requests: Iterator[TraceRequest], bar: Progress) -> list[TraceRequest]:
+    """``list(requests)``, advancing ``bar`` every ``LOAD_PROGRESS_EVERY``."""
+    out: list[TraceRequest] = []
+    for chunk in iter(lambda: list(itertools.islice(requests, LOAD_PROGRESS_EVERY)), []):
+        out.extend(chunk)
+        bar.update(len(chunk))
+    return out
