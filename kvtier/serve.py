@@ -73,34 +73,55 @@ class ServeError(ValueError):
     """Arguments ``kvtier serve`` cannot start from; the message says why."""
 
 
-def default_cpu_bytes() -> int:
-    """A quarter of the memory this process may use (the machine's, or its
-    container's limit when lower), at most 16 GiB, and at most half of the
-    free space of the shared-memory file system the slot region lives in
-    (containers often keep it small; a note on stderr says so then)."""
+def default_cpu_bytes(engines: int = 1) -> int:
+    """Each engine's share of: a quarter of the memory this process may use
+    (the machine's, or its container's limit when lower), at most 16 GiB, and
+    at most half of the free space of the shared-memory file system the slot
+    regions live in (containers often keep it small; a note on stderr says so
+    then). ``engines``: the data-parallel engines this server starts on this
+    host (``local_engines``), each of which makes a CPU tier of this size."""
     from kvtier.host_memory import free_bytes, usable_bytes
     from kvtier.slots.region import default_shm_dir
 
-    budget = min(MAX_DEFAULT_CPU_BYTES, usable_bytes() // DEFAULT_CPU_FRACTION)
+    budget = min(MAX_DEFAULT_CPU_BYTES, usable_bytes() // DEFAULT_CPU_FRACTION) // engines
     shm = default_shm_dir()
     try:
-        room = free_bytes(shm) // 2
+        room = free_bytes(shm) // 2 // engines
     except OSError:
         return budget
     if room < budget:
-        print(f"kvtier serve: {shm} has {2 * room >> 20} MiB free: the CPU tier gets "
-              f"{room >> 20} MiB (give the container more shared memory, e.g. docker "
-              "--shm-size, or set --cpu-bytes)", file=sys.stderr)
+        each = f" of each of {engines} engines" if engines > 1 else ""
+        print(f"kvtier serve: {shm} has {2 * room * engines >> 20} MiB free: the CPU "
+              f"tier{each} gets {room >> 20} MiB (give the container more shared "
+              "memory, e.g. docker --shm-size, or set --cpu-bytes)", file=sys.stderr)
         return room
     return budget
+
+
+def local_engines(vllm_args: Sequence[str]) -> int:
+    """How many engines ``vllm serve`` starts on this host, each with its own
+    kvtier CPU tier of ``cpu_bytes_to_use``: one with ``--data-parallel-rank``
+    (one rank per server), else ``--data-parallel-size-local``, else
+    ``--data-parallel-size``, else one (also when the value cannot be read:
+    vLLM will refuse it)."""
+    if _option_value(vllm_args, ("--data-parallel-rank", "--data_parallel_rank",
+                                 "-dpn")) is not None:
+        return 1
+    for names in (("--data-parallel-size-local", "--data_parallel_size_local", "-dpl"),
+                  ("--data-parallel-size", "--data_parallel_size", "-dp")):
+        value = _option_value(vllm_args, names)
+        if value is not None:
+            return int(value) if value.isdigit() and int(value) > 0 else 1
+    return 1
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """kvtier's own ``serve`` flags; everything else is vLLM's."""
     p.add_argument("--cpu-bytes", type=byte_size, default=None, metavar="N",
                    help="CPU memory for offloaded KV blocks (bytes; K/M/G/T, Ki/Mi/Gi/Ti "
-                   "suffixes; default a quarter of the memory this process may use, "
-                   "its container's limit included, at most 16 GiB)")
+                   "suffixes; each data-parallel engine gets this much; default a "
+                   "quarter of the memory this process may use, its container's limit "
+                   "included, at most 16 GiB, shared by the data-parallel engines)")
     p.add_argument("--policy", default=None, metavar="NAME",
                    help="eviction policy: default (adaptive), plfu, lru, arc, "
                         "or module.path:ClassName")
@@ -157,9 +178,11 @@ def _setting_value(key: str, text: str) -> Any:
     return value
 
 
-def extra_config(args: argparse.Namespace) -> dict[str, Any]:
+def extra_config(args: argparse.Namespace, engines: int = 1) -> dict[str, Any]:
     """The ``kv_connector_extra_config`` the flags ask for, validated by the
-    plug-in's rules (``ServeError`` naming the bad flag or key)."""
+    plug-in's rules (``ServeError`` naming the bad flag or key). ``engines``:
+    the data-parallel engines on this host, each with a CPU tier of
+    ``cpu_bytes_to_use``."""
     from kvtier.vllm.settings import BYTE_KEYS, ConfigError, KVTierSettings
 
     extra: dict[str, Any] = dict(SPEC)
@@ -185,14 +208,14 @@ def extra_config(args: argparse.Namespace) -> dict[str, Any]:
                              "give it once")
         extra[key] = value
     given_cpu_bytes = "cpu_bytes_to_use" in extra
-    extra.setdefault("cpu_bytes_to_use", default_cpu_bytes())
+    extra.setdefault("cpu_bytes_to_use", default_cpu_bytes(engines))
     try:
         settings = KVTierSettings.from_extra_config(extra)
     except ConfigError as exc:
         raise ServeError(f"kvtier configuration: {exc}") from None
     if given_cpu_bytes:  # the default is sized to fit already
         flag = "--cpu-bytes" if args.cpu_bytes is not None else "cpu_bytes_to_use"
-        check_cpu_tier_room(settings.cpu_bytes_to_use, flag)
+        check_cpu_tier_room(settings.cpu_bytes_to_use, flag, engines)
     check_tier_places(settings.disk_path, settings.redis_url)
     # vLLM gets the values the settings read: sizes as ints, ~ expanded here
     # (the engine's home may differ from the user's)
@@ -237,11 +260,12 @@ def _as_int(value: object) -> int | None:
         return None
 
 
-def check_cpu_tier_room(cpu_bytes: int, flag: str = "--cpu-bytes") -> None:
-    """``ServeError`` when the CPU tier's slot region cannot fit in the
-    shared-memory file system it lives in: the engine would refuse it only
-    once it has started and loaded its weights (``SlotRegion.create``), and a
-    container's /dev/shm is often small."""
+def check_cpu_tier_room(cpu_bytes: int, flag: str = "--cpu-bytes", engines: int = 1) -> None:
+    """``ServeError`` when the CPU tiers' slot regions (one of ``cpu_bytes`` per
+    data-parallel engine) cannot fit in the shared-memory file system they
+    live in: an engine would refuse its region only once it has started and
+    loaded its weights (``SlotRegion.create``), and a container's /dev/shm is
+    often small."""
     from kvtier.host_memory import free_bytes
     from kvtier.slots.region import default_shm_dir
 
@@ -250,8 +274,10 @@ def check_cpu_tier_room(cpu_bytes: int, flag: str = "--cpu-bytes") -> None:
         room = free_bytes(shm)
     except OSError:
         return  # the engine will say
-    if cpu_bytes > room:
-        raise ServeError(f"{flag} {cpu_bytes}: the CPU tier lives in {shm}, which has "
+    if cpu_bytes * engines > room:
+        each = (f" for each of {engines} data-parallel engines ({cpu_bytes * engines} "
+                "bytes in all)" if engines > 1 else "")
+        raise ServeError(f"{flag} {cpu_bytes}{each}: the CPU tier lives in {shm}, which has "
                          f"{room} bytes ({room >> 20} MiB) free: give a smaller --cpu-bytes, "
                          "or the container more shared memory (e.g. docker --shm-size)")
 
@@ -441,8 +467,9 @@ def note_stale_gauges(vllm_args: Sequence[str]) -> None:
     if count > 1:
         print(f"kvtier serve: {count} API servers: each shows kvtier's gauges (pinned, "
               "leased, resident...) as of the last step whose stats it received, which "
-              "may be old; --api-server-count 1 keeps them current (counters add up "
-              "either way)", file=sys.stderr)
+              "may be old, and /metrics lists each server's copy (label pid: do not sum "
+              "them); --api-server-count 1 keeps them current and single (counters "
+              "add up either way)", file=sys.stderr)
 
 
 def print_command(argv: list[str], env: dict[str, str]) -> None:
@@ -464,7 +491,7 @@ def print_command(argv: list[str], env: dict[str, str]) -> None:
 def run(args: argparse.Namespace, vllm_args: Sequence[str]) -> int:
     """``kvtier serve``: validate, then become the server (or print the command)."""
     check_model_named(vllm_args)
-    extra = extra_config(args)
+    extra = extra_config(args, local_engines(vllm_args))
     check_one_block_per_slot(extra, vllm_args)
     public, env = without_secrets(extra)
     add_password_file(args.redis_password_file, extra, env)

@@ -25,7 +25,9 @@ COMMANDS = ("replay", "generate", "foresight", "soak", "serve", "bench", "disk",
             "demo")
 OTHER_FLAGS = frozenset({
     # vLLM's (kvtier serve passes them on) and its client's
-    "--api-server-count", "--block-size", "--dataset-name", "--dtype", "--enforce-eager",
+    "--api-server-count", "--block-size", "--data-parallel-size", "--data-parallel-size-local",
+    "--dataset-name", "--dtype",
+    "--enforce-eager",
     "--gpu-memory-utilization", "--kv-cache-memory-bytes", "--kv-transfer-config",
     "--max-model-len", "--mm-processor-kwargs", "--num-gpu-blocks-override", "--port",
     "--timed-trace-chunk-hash-size",

@@ -30,7 +30,9 @@ for at most ``lookup_timeout_s``, so a lost mount cannot stall the scheduler:
 :mod:`kvtier.tiers.disk_lookups`), reads refresh a file's mtime (shared recency), and every
 ``rescan_interval_s`` a store rescans the directory, so the bytes of all
 engines together stay within ``capacity_bytes`` plus what the others wrote
-since the last rescan; each engine keeps the free-space reserve (above).
+since the last rescan, and within ``capacity_bytes`` times the engines (each
+file is in its writer's index until removed, and each index is bounded);
+each engine keeps the free-space reserve (above).
 
 Memory: the index holds at most ``capacity_bytes // 4096`` entries (about 200
 bytes each): e.g. 100k entries (20 MB) for 200 GB of 2 MiB blocks. Writes in
