@@ -434,13 +434,9 @@ def cmd_replay(args: argparse.Namespace) -> int:
     check_sizes_fit(max(args.capacity), args.gpu_blocks)
     _check_engine_options(args)
     _check_bounds_only(args)
+    _check_gpu_options(args)
+    _check_disk_options(args)
     _check_plot(args)
-    if args.disk_blocks is None:
-        for option in ("--disk-store-threshold", "--disk-write-policy"):
-            if getattr(args, option[2:].replace("-", "_")) is not None:
-                raise CommandError(f"{option} needs --disk-blocks")
-    if args.gpu_batch_tokens is not None and args.gpu_blocks is None:
-        raise CommandError("--gpu-batch-tokens needs --gpu-blocks")
     path: Path = args.trace if args.trace is not None else BUNDLED_TRACE
     loaded = load_requests(path, args.limit_requests, not args.no_progress)
     try:
@@ -489,13 +485,6 @@ def _cmd_replay_tiered(args: argparse.Namespace, path: Path, keys: list[list[byt
     """``kvtier replay --disk-blocks N``: each policy x capacity x threshold x disk
     threshold x disk write policy through CPU slots + a disk tier
     (``kvtier.replay.tiered``)."""
-    if (args.driver != "sequential" or args.bounds or args.plot is not None
-            or len(policies) < len(args.policy)):
-        raise CommandError("--disk-blocks runs the sequential driver over real policies "
-                           "only (no --driver engine, --bounds, --plot, opt or infinite)")
-    if args.block_bytes is not None:  # its rows have no bytes_written to scale
-        raise CommandError("--block-bytes does not apply to --disk-blocks (its rows count "
-                           "disk_writes in blocks)")
     from kvtier.server_process import sigterm_as_exit
 
     with sigterm_as_exit():  # SIGTERM, as SIGINT does, removes the disk tier's directory
@@ -570,14 +559,13 @@ def _gpu_concurrency(args: argparse.Namespace) -> int:
     return _engine_config(args).concurrency if args.driver == "engine" else 1
 
 
-def _check_gpu_blocks(args: argparse.Namespace, trace: Sequence[TraceRequest],
-                      path: Path) -> list[ServedRequest]:
-    """The trace (read from ``path``) as the engine gets it; ``CommandError`` for
-    options ``--gpu-blocks`` cannot run with, a request without an input length,
-    or one longer than the engine cache."""
-    from kvtier.replay.behind_engine import check_fits, served_requests
-    from kvtier.replay.serving_trace import UnservableRequestError, missing_length_message
-
+def _check_gpu_options(args: argparse.Namespace) -> None:
+    """``CommandError`` for options ``--gpu-blocks`` cannot run with, or
+    ``--gpu-batch-tokens`` without it: before the trace is loaded."""
+    if args.gpu_blocks is None:
+        if args.gpu_batch_tokens is not None:
+            raise CommandError("--gpu-batch-tokens needs --gpu-blocks")
+        return
     if args.disk_blocks is not None:
         raise CommandError("--gpu-blocks cannot be combined with --disk-blocks")
     if args.preempt is not None:
@@ -590,6 +578,15 @@ def _check_gpu_blocks(args: argparse.Namespace, trace: Sequence[TraceRequest],
     if args.gpu_batch_tokens is not None and args.driver == "engine":
         raise CommandError("--gpu-batch-tokens sets the requests in flight itself "
                            "(no --driver engine / --concurrency)")
+
+
+def _check_gpu_blocks(args: argparse.Namespace, trace: Sequence[TraceRequest],
+                      path: Path) -> list[ServedRequest]:
+    """The trace (read from ``path``) as the engine gets it; ``CommandError`` for
+    a request without an input length, or one longer than the engine cache."""
+    from kvtier.replay.behind_engine import check_fits, served_requests
+    from kvtier.replay.serving_trace import UnservableRequestError, missing_length_message
+
     try:
         served = served_requests(trace)
         check_fits(served, args.gpu_blocks)
@@ -616,6 +613,24 @@ def _check_engine_options(args: argparse.Namespace) -> None:
         raise CommandError(f"--max-delay must be >= 0, got {args.max_delay}")
     if args.preempt is not None and not 0.0 <= args.preempt < 1.0:
         raise CommandError(f"--preempt must be in [0, 1), got {args.preempt}")
+
+
+def _check_disk_options(args: argparse.Namespace) -> None:
+    """``CommandError`` for disk options without ``--disk-blocks``, or for
+    options ``--disk-blocks`` does not take: before the trace is loaded, which
+    may take a while."""
+    if args.disk_blocks is None:
+        for option in ("--disk-store-threshold", "--disk-write-policy"):
+            if getattr(args, option[2:].replace("-", "_")) is not None:
+                raise CommandError(f"{option} needs --disk-blocks")
+        return
+    if (args.driver != "sequential" or args.bounds or args.plot is not None
+            or any(name in BOUNDS for name in args.policy)):
+        raise CommandError("--disk-blocks runs the sequential driver over real policies "
+                           "only (no --driver engine, --bounds, --plot, opt or infinite)")
+    if args.block_bytes is not None:  # its rows have no bytes_written to scale
+        raise CommandError("--block-bytes does not apply to --disk-blocks (its rows count "
+                           "disk_writes in blocks)")
 
 
 def _check_bounds_only(args: argparse.Namespace) -> None:
