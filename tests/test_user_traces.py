@@ -350,3 +350,20 @@ def test_option_errors_come_before_the_trace_is_read(
                                str(tmp_path / "not-there.jsonl"))
     assert (status, out) == (2, "")
     assert said in err and "not found" not in err
+
+
+def test_an_id_repeated_within_a_request_is_another_block_as_in_the_engine(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # vLLM's chained hashes make [1, 2, 1]'s third block another block than its
+    # first; kept as one key, LRU with room for every block scored below the
+    # infinite cache (0.5556 against 0.6667 here)
+    lines = [{"hash_ids": ids} for ids in ([1, 2, 1], [1, 2, 1], [1, 2, 3], [3, 1])]
+    path = _write(tmp_path, "".join(json.dumps(x) + "\n" for x in lines))
+    status, out, _ = _replay(capsys, "--capacity", "5", "--policy", "lru,default", "--bounds",
+                             "--json", str(path))
+    assert status == 0
+    ratios = {row["policy"]: row["hit_ratio"] for row in map(json.loads, out.splitlines())}
+    # [1, 2, 1'] twice (3 hits the second time), [1, 2, 3] (2), [3, 1] (2: ids
+    # other than repeats keep Mooncake's meaning, one id one block): 7 hits of
+    # 11 offered blocks, 5 distinct blocks, all of which fit
+    assert ratios == {"lru": 7 / 11, "default": 7 / 11, "opt": 7 / 11, "infinite": 7 / 11}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import math
@@ -106,6 +107,29 @@ def _hash_ids(obj: dict[str, Any], where: str) -> list[int]:
     return ids
 
 
+def _chained(ids: list[int]) -> list[int]:
+    """``ids`` with each repeat of an id within the request replaced by an id
+    derived from its parent's and its own (a 64-bit BLAKE2b of the two), as
+    an engine's chained block hashes make the same tokens at another place in
+    a prompt another block; an id the request already has is derived again.
+    Mooncake's ids are prefix hashes already, so a request's ids are distinct
+    and come back unchanged (one C-level check); kept as one key, a repeat made
+    prefix hits that no engine would have."""
+    if len(set(ids)) == len(ids):
+        return ids
+    out: list[int] = []
+    seen: set[int] = set()
+    for h in ids:
+        while h in seen:
+            parent = out[-1] if out else 0
+            digest = hashlib.blake2b(parent.to_bytes(8, "big") + h.to_bytes(8, "big"),
+                                     digest_size=8, person=b"kvtier-repeat").digest()
+            h = int.from_bytes(digest, "big")
+        seen.add(h)
+        out.append(h)
+    return out
+
+
 def parse_line(line: str, where: str) -> TraceRequest:
     """Parse one trace line; ``where`` ("file:line") prefixes any error."""
     try:
@@ -119,7 +143,7 @@ def parse_line(line: str, where: str) -> TraceRequest:
         raise TraceFormatError(f"{where}: lists or objects nested too deeply to read") from None
     if not isinstance(obj, dict):
         raise TraceFormatError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-    ids = _hash_ids(obj, where)
+    ids = _chained(_hash_ids(obj, where))
     return TraceRequest(
         _timestamp(obj, where),
         _length(obj, "input_length", where),
