@@ -145,8 +145,9 @@ def test_kvtiers_records_reach_vllms_log(tmp_path: Path) -> None:
     records (this line, the weights fingerprint) were dropped by Python's
     last-resort handler and its warnings printed without vLLM's prefix. A
     real process that configures logging as vLLM's engine does."""
+    # vLLM's default level (INFO): an earlier test in this process may have set another
     env = {**os.environ, "PYTHONPATH": str(REPO), "VLLM_TARGET_DEVICE": "cpu",
-           "VLLM_LOGGING_STREAM": "ext://sys.stdout"}
+           "VLLM_LOGGING_STREAM": "ext://sys.stdout", "VLLM_LOGGING_LEVEL": "INFO"}
     done = subprocess.run([sys.executable, "-c", _LOG_THROUGH_VLLM, str(REPO), str(tmp_path)],
                           env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]

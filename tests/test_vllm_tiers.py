@@ -52,13 +52,13 @@ def test_fast_block_hashing_shares_keys_only_with_a_common_seed(tmp_path: Path) 
     assert unseeded[0]["cascade"]["cascade_writes"] >= OFFLOADED_TOKENS // 32
     assert unseeded[1]["cached"] == 0  # the disk holds the blocks under other keys
     assert unseeded[1]["cascade"]["cascade_writes"] >= OFFLOADED_TOKENS // 32
-    assert all("kvtier: vLLM's prefix_caching_hash_algo='xxhash'" in run["stderr"]
+    assert all("kvtier: vLLM's prefix_caching_hash_algo='xxhash'" in run["log"]
                for run in unseeded)
     seeded = [run_engine(model, tmp_path / "disk-b", hash_algo="xxhash", hash_seed="7")
               for _ in range(2)]
     assert seeded[1]["cached"] >= OFFLOADED_TOKENS
     assert seeded[1]["tokens"] == seeded[0]["tokens"] == unseeded[0]["tokens"]
-    assert not any("prefix_caching_hash_algo" in run["stderr"] for run in seeded)
+    assert not any("prefix_caching_hash_algo" in run["log"] for run in seeded)
 
 
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kvtier.tiers.base import Tier, WarningLimiter
+from kvtier.tiers.gil_handoff import quick_handoffs
 
 logger = logging.getLogger(__name__)
 _warn = WarningLimiter(logger)
@@ -366,7 +367,8 @@ def _serve(shared: _Shared) -> None:
             else:
                 return
         try:
-            job.run(shared.region, shared.stop)
+            with quick_handoffs():  # its calls' GIL hand-offs beside a busy scheduler
+                job.run(shared.region, shared.stop)
         except Exception as exc:
             _warn.warning("kvtier cascade: I/O job failed: %s", exc)
         shared.done.append(job)

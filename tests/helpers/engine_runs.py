@@ -23,8 +23,9 @@ def run_engine(
     """One engine run on ``model`` with a disk tier at ``disk`` and/or Redis at
     ``redis_url`` plus the kvtier keys of ``extra`` (see tier_engine.py);
     ``hash_algo``: vLLM's ``prefix_caching_hash_algo``, ``hash_seed``: the
-    engine's ``PYTHONHASHSEED`` (None: unset). The result's ``stderr``: the
-    engine's last 20,000 characters of it."""
+    engine's ``PYTHONHASHSEED`` (None: unset). The result's ``log``: the
+    last 20,000 characters of the engine's stdout (vLLM's log, which kvtier's
+    records join) and of its stderr."""
     env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING", "KVTIER_TEST_TP": str(tp),
            "KVTIER_TEST_METRICS": "1" if metrics else "0",
            "KVTIER_TEST_HF_OVERRIDES": json.dumps(hf_overrides or {}),
@@ -40,5 +41,5 @@ def run_engine(
     assert out.returncode == 0, out.stderr[-4000:]
     line = next(x for x in out.stdout.splitlines() if x.startswith("RESULT "))
     result: dict[str, Any] = json.loads(line.removeprefix("RESULT "))
-    result["stderr"] = out.stderr[-20_000:]
+    result["log"] = out.stdout[-20_000:] + out.stderr[-20_000:]
     return result

@@ -1,0 +1,169 @@
+"""A promotion's disk read beside a thread that keeps running Python, as an
+engine's scheduler loop does while requests wait for their blocks: with
+CPython's switch interval (5 ms), and under ``quick_handoffs`` (what the
+cascade's I/O threads run their jobs in), side by side.
+
+Each round reads ``--blocks`` blocks of ``--block-kib`` KiB with one
+``DiskTier.get_into`` (what a ``PromotionJob`` calls) on a second thread, in
+three modes: ``alone`` (nothing else runs), ``busy`` (a thread counts in a
+Python loop meanwhile) and ``busy+quick`` (the same, the read inside
+``quick_handoffs``). Printed: the median milliseconds per read of each mode
+over ``--rounds`` rounds (modes interleaved) and its ratio to ``alone``.
+Then, for the two busy modes, reads back to back for ``--window`` seconds
+(I/O saturated, as under a stream of writes): reads per second, and the
+busy thread's loop rate against its rate alone just before (what the I/O
+costs the engine's thread when it never pauses).
+
+    python benchmarks/bench_gil_handoff.py [--blocks 108] [--block-kib 32] [--rounds 5] [--window 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+
+from kvtier import block_key
+from kvtier.tiers import DiskTier
+from kvtier.tiers.gil_handoff import IO_SWITCH_INTERVAL_S, quick_handoffs
+
+MODES = ("alone", "busy", "busy+quick")
+Read = Callable[[], object]
+
+
+class BusyThread:
+    """A thread counting in a Python loop until stopped; its loop rate."""
+
+    def __init__(self) -> None:
+        self._stop = threading.Event()
+        self.count = 0
+        self.rate = 0.0
+        self._thread = threading.Thread(target=self._spin, daemon=True)
+
+    def _spin(self) -> None:
+        n, stop = 0, self._stop
+        while not stop.is_set():
+            n += 1
+        self.count = n
+
+    def __enter__(self) -> BusyThread:
+        self._started = time.perf_counter()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.rate = self.count / (time.perf_counter() - self._started)
+
+
+def on_a_thread(fn: Callable[[], None]) -> None:
+    """Run ``fn`` on a thread of its own (as on an I/O thread) and wait."""
+    thread = threading.Thread(target=fn)
+    thread.start()
+    thread.join()
+
+
+def quick(read: Read) -> Read:
+    """``read`` inside ``quick_handoffs``."""
+    def quick_read() -> object:
+        with quick_handoffs():
+            return read()
+    return quick_read
+
+
+def one_read(mode: str, read: Read) -> float:
+    """Seconds of one read in ``mode``."""
+    took: list[float] = []
+
+    def run() -> None:
+        start = time.perf_counter()
+        (quick(read) if mode == "busy+quick" else read)()
+        took.append(time.perf_counter() - start)
+
+    if mode == "alone":
+        on_a_thread(run)
+    else:
+        with BusyThread():
+            time.sleep(0.05)  # running at full speed before the read starts
+            on_a_thread(run)
+    return took[0]
+
+
+def saturated(mode: str, read: Read, window_s: float) -> tuple[float, float]:
+    """(reads per second, the busy thread's loop rate) with reads back to
+    back for ``window_s`` beside the busy thread."""
+    one = quick(read) if mode == "busy+quick" else read
+    reads = 0
+
+    def loop() -> None:
+        nonlocal reads
+        end = time.perf_counter() + window_s
+        while time.perf_counter() < end:
+            one()
+            reads += 1
+
+    with BusyThread() as busy:
+        start = time.perf_counter()
+        on_a_thread(loop)
+        elapsed = time.perf_counter() - start
+    return reads / elapsed, busy.rate
+
+
+def alone_rate(seconds: float) -> float:
+    """The busy thread's loop rate with nothing else running."""
+    with BusyThread() as busy:
+        time.sleep(seconds)
+    return busy.rate
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--blocks", type=int, default=108)
+    ap.add_argument("--block-kib", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--window", type=float, default=3.0,
+                    help="seconds of back-to-back reads per busy mode")
+    ap.add_argument("--dir", default=None, help="directory of the disk tier (default: a temp dir)")
+    args = ap.parse_args(argv)
+    size = args.block_kib << 10
+    took: dict[str, list[float]] = {m: [] for m in MODES}
+    load: dict[str, tuple[float, float]] = {}
+    with tempfile.TemporaryDirectory(dir=args.dir) as root:
+        tier = DiskTier(root, "bench-gil", 4 * args.blocks * (size + 4096))
+        keys = [block_key(i) for i in range(args.blocks)]
+        tier.put([(k, os.urandom(size)) for k in keys])
+        buffers = [bytearray(size) for _ in keys]
+
+        def read() -> object:
+            return tier.get_into(keys, buffers)
+
+        for r in range(args.rounds):
+            for mode in MODES[r % 3:] + MODES[:r % 3]:  # the order rotates
+                took[mode].append(one_read(mode, read))
+        for mode in MODES[1:]:
+            base_rate = alone_rate(args.window)
+            per_s, rate = saturated(mode, read, args.window)
+            load[mode] = (per_s, rate / base_rate)
+        tier.close()
+    base = statistics.median(took["alone"])
+    print(f"{args.blocks} blocks of {args.block_kib} KiB per read; switch interval "
+          f"{sys.getswitchinterval() * 1e3:g} ms, under quick_handoffs "
+          f"{IO_SWITCH_INTERVAL_S * 1e3:g} ms; medians of {args.rounds} rounds")
+    print(f"{'mode':12s} {'ms/read':>9s} {'x alone':>8s}")
+    for mode in MODES:
+        ms = statistics.median(took[mode]) * 1e3
+        print(f"{mode:12s} {ms:9.1f} {ms / (base * 1e3):8.1f}")
+    print(f"reads back to back for {args.window:g} s:")
+    for mode, (per_s, rate) in load.items():
+        print(f"{mode:12s} {per_s:9.1f} reads/s; busy thread at {rate:.2f} x its rate alone")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,82 @@
+"""Quick GIL hand-offs while the tier cascade's I/O threads have work.
+
+Every file or socket call an I/O thread makes (``open``, ``pread``,
+``close``, ``send``...) lets go of the GIL, and getting it back waits for the
+thread that took it to give it up: at once if that thread blocks, but after
+``sys.getswitchinterval()`` (5 ms by default) if it keeps running Python. An
+engine's scheduler loop does keep running Python, and does so exactly while
+requests wait for promotions (vLLM steps again and again until their blocks
+are in). A disk read makes five such calls per block, so 108 blocks that
+take 6 ms alone took 2.6 s beside a spinning thread, past the cascade's
+2-second promotion timeout: the request then computed what the disk held
+(``benchmarks/bench_gil_handoff.py``).
+
+:func:`quick_handoffs` lowers the switch interval to
+``IO_SWITCH_INTERVAL_S`` while at least one I/O job of the process runs and
+puts the former value back when the last one ends. The interval only
+matters while a thread waits for the GIL, so an idle cascade changes
+nothing; while jobs run, the engine's thread is interrupted no more often
+than before (once per call of an I/O thread), only sooner. The interval is
+the interpreter's, so one counter serves every cascade of the process, and
+a value someone else set meanwhile is left as it is.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+IO_SWITCH_INTERVAL_S = 0.0001
+"""The switch interval while I/O jobs run: a call's GIL hand-off waits at
+most this long (0.1 ms; CPython's default is 5 ms)."""
+
+
+class _Handoffs:
+    """The process's count of running I/O jobs and the interval to restore.
+
+    Invariants: ``saved`` is not None exactly while ``running`` > 0 and the
+    interval was lowered by this object (to ``lowered``, as
+    ``sys.getswitchinterval`` reads it back); at most one lowering is
+    outstanding. Bounded: three numbers."""
+
+    __slots__ = ("lock", "running", "saved", "lowered")
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.running = 0
+        self.saved: float | None = None
+        self.lowered = 0.0
+
+    def enter(self, interval_s: float) -> None:
+        with self.lock:
+            self.running += 1
+            if self.running == 1:
+                current = sys.getswitchinterval()
+                if current > interval_s:
+                    sys.setswitchinterval(interval_s)
+                    self.saved, self.lowered = current, sys.getswitchinterval()
+
+    def exit(self) -> None:
+        with self.lock:
+            self.running -= 1
+            if self.running == 0 and self.saved is not None:
+                if sys.getswitchinterval() == self.lowered:  # nobody changed it since
+                    sys.setswitchinterval(self.saved)
+                self.saved = None
+
+
+_HANDOFFS = _Handoffs()
+
+
+@contextmanager
+def quick_handoffs(interval_s: float = IO_SWITCH_INTERVAL_S) -> Iterator[None]:
+    """Run the block with the switch interval at most ``interval_s`` (for
+    every thread of the process), then restore it once no other block of
+    this kind runs."""
+    _HANDOFFS.enter(interval_s)
+    try:
+        yield
+    finally:
+        _HANDOFFS.exit()
