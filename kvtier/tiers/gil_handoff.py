@@ -18,7 +18,9 @@ matters while a thread waits for the GIL, so an idle cascade changes
 nothing; while jobs run, the engine's thread is interrupted no more often
 than before (once per call of an I/O thread), only sooner. The interval is
 the interpreter's, so one counter serves every cascade of the process, and
-a value someone else set meanwhile is left as it is.
+a value someone else set meanwhile is left as it is. A call hung in a tier
+keeps its job running, and the interval low, until it returns: two other
+threads both running Python then take turns every 0.1 ms instead of 5 ms.
 """
 
 from __future__ import annotations
