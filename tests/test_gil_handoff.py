@@ -99,3 +99,12 @@ def test_a_block_that_raises_still_restores() -> None:
         raise RuntimeError("a tier call failed")
     assert sys.getswitchinterval() == pytest.approx(DEFAULT_S)
     assert gil_handoff._HANDOFFS.running == 0
+
+
+@pytest.mark.parametrize("bad", [0, -0.001, float("nan"), float("inf"), True, "0.1"])
+def test_a_bad_interval_is_refused_naming_it(bad: object) -> None:
+    with pytest.raises(ValueError, match="switch interval"), \
+            quick_handoffs(bad):  # type: ignore[arg-type]
+        pass
+    assert sys.getswitchinterval() == pytest.approx(DEFAULT_S)
+    assert gil_handoff._HANDOFFS.running == 0

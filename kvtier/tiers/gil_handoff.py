@@ -30,6 +30,8 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from kvtier.argtypes import is_positive_seconds
+
 IO_SWITCH_INTERVAL_S = 0.0001
 """The switch interval while I/O jobs run: a call's GIL hand-off waits at
 most this long (0.1 ms; CPython's default is 5 ms)."""
@@ -76,7 +78,12 @@ _HANDOFFS = _Handoffs()
 def quick_handoffs(interval_s: float = IO_SWITCH_INTERVAL_S) -> Iterator[None]:
     """Run the block with the switch interval at most ``interval_s`` (for
     every thread of the process), then restore it once no other block of
-    this kind runs."""
+    this kind runs. ``ValueError`` unless ``interval_s`` is a finite number
+    of seconds > 0 (``sys.setswitchinterval`` refuses others only once a job
+    runs, on an I/O thread)."""
+    if not is_positive_seconds(interval_s):
+        raise ValueError(f"switch interval must be a finite number of seconds > 0, "
+                         f"got {interval_s!r}")
     _HANDOFFS.enter(interval_s)
     try:
         yield
