@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Final
+
+DEFAULT_MAX_TRACKER_SIZE: Final = 64_000
+"""Keys whose offer counts are kept by default (``max_tracker_size``)."""
 
 
 class AdmissionTracker:

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvtier import __version__
+from kvtier.admission import DEFAULT_MAX_TRACKER_SIZE
 from kvtier.argtypes import (
     int_list,
     known_name_list,
@@ -123,8 +124,9 @@ def _add_replay(commands: Any) -> None:
                    "'opt' and 'infinite' add the bounds)")
     p.add_argument("--store-threshold", type=int_list, default=[1], metavar="K[,K...]",
                    help="offers a new block needs before it is stored (default 1)")
-    p.add_argument("--max-tracker-size", type=positive_int, default=64_000, metavar="N",
-                   help="admission tracker bound (default 64000)")
+    p.add_argument("--max-tracker-size", type=positive_int, default=None, metavar="N",
+                   help="keys whose offer counts --store-threshold / --disk-store-threshold "
+                   f"above 1 keep (default {DEFAULT_MAX_TRACKER_SIZE})")
     p.add_argument("--block-bytes", type=positive_int, default=None, metavar="B",
                    help="bytes per block for bytes_written (default: count blocks)")
     p.add_argument("--bounds", action="store_true",
@@ -434,6 +436,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     check_sizes_fit(max(args.capacity), args.gpu_blocks)
     _check_engine_options(args)
     _check_bounds_only(args)
+    _check_tracker_size(args)
     _check_gpu_options(args)
     _check_disk_options(args)
     _check_plot(args)
@@ -631,6 +634,18 @@ def _check_disk_options(args: argparse.Namespace) -> None:
     if args.block_bytes is not None:  # its rows have no bytes_written to scale
         raise CommandError("--block-bytes does not apply to --disk-blocks (its rows count "
                            "disk_writes in blocks)")
+
+
+def _check_tracker_size(args: argparse.Namespace) -> None:
+    """``CommandError`` for ``--max-tracker-size`` where no threshold above 1
+    keeps counts (its rows would come out as without it); else the default
+    fills it in."""
+    if args.max_tracker_size is None:
+        args.max_tracker_size = DEFAULT_MAX_TRACKER_SIZE
+    elif max(args.store_threshold + (args.disk_store_threshold or [])) < 2:
+        raise CommandError("--max-tracker-size bounds the offer counts of a --store-threshold "
+                           "or --disk-store-threshold above 1; with threshold 1 none are "
+                           "kept (raise a threshold, or drop --max-tracker-size)")
 
 
 def _check_bounds_only(args: argparse.Namespace) -> None:

@@ -6,6 +6,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from kvtier.admission import DEFAULT_MAX_TRACKER_SIZE
 from kvtier.argtypes import require_positive_int
 from kvtier.errors import MissingBlocksError, ProtocolError
 from kvtier.events import Event, EventLog
@@ -60,7 +61,7 @@ class OffloadManager:
         num_blocks: int,
         policy: str = "lru",
         store_threshold: int = 1,
-        max_tracker_size: int = 64_000,
+        max_tracker_size: int = DEFAULT_MAX_TRACKER_SIZE,
         enable_events: bool = False,
         eviction_history_size: int = 10_000,
         *,

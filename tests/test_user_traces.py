@@ -340,6 +340,9 @@ def test_reading_a_trace_shows_a_counter_on_a_terminal(tmp_path: Path) -> None:
     (("--gpu-blocks", "6", "--gpu-batch-tokens", "64", "--driver", "engine"),
      "--gpu-batch-tokens sets the requests in flight itself"),
     (("--gpu-batch-tokens", "64"), "--gpu-batch-tokens needs --gpu-blocks"),
+    # it was taken and ignored: with threshold 1 no offer count is kept
+    (("--max-tracker-size", "5"), "--max-tracker-size bounds the offer counts"),
+    (("--max-tracker-size", "5", "--disk-blocks", "8"), "--max-tracker-size bounds"),
 ])
 def test_option_errors_come_before_the_trace_is_read(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], options: tuple[str, ...],
@@ -367,3 +370,14 @@ def test_an_id_repeated_within_a_request_is_another_block_as_in_the_engine(
     # other than repeats keep Mooncake's meaning, one id one block): 7 hits of
     # 11 offered blocks, 5 distinct blocks, all of which fit
     assert ratios == {"lru": 7 / 11, "default": 7 / 11, "opt": 7 / 11, "infinite": 7 / 11}
+
+
+@pytest.mark.parametrize("threshold", [("--store-threshold", "2"),
+                                       ("--disk-blocks", "8", "--disk-store-threshold", "2")])
+def test_max_tracker_size_is_taken_with_a_threshold_above_one(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], threshold: tuple[str, ...]) -> None:
+    path = _write(tmp_path, f"{GOOD}\n{GOOD}\n")
+    status, out, err = _replay(capsys, "--capacity", "6", "--policy", "lru", *threshold,
+                               "--max-tracker-size", "5", str(path))
+    assert status == 0, err
+    assert "lru" in out

@@ -63,6 +63,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvtier.admission import DEFAULT_MAX_TRACKER_SIZE
 from kvtier.manager import OffloadManager
 from kvtier.replay.driver import (
     PROGRESS_EVERY,
@@ -377,7 +378,7 @@ def replay_behind_engine(
     batch_tokens: int | None = None,
     block_tokens: int = ENGINE_BLOCK_TOKENS,
     store_threshold: int = 1,
-    max_tracker_size: int = 64_000,
+    max_tracker_size: int = DEFAULT_MAX_TRACKER_SIZE,
     block_bytes: int | None = None,
     progress: ProgressCallback | None = None,
 ) -> BehindEngineResult:

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from kvtier.admission import DEFAULT_MAX_TRACKER_SIZE
 from kvtier.keys import block_key
 from kvtier.manager import OffloadManager
 from kvtier.replay.trace import MOONCAKE_BLOCK_TOKENS, TraceRequest
@@ -181,7 +182,7 @@ def replay(
     policy: str = "lru",
     *,
     store_threshold: int = 1,
-    max_tracker_size: int = 64_000,
+    max_tracker_size: int = DEFAULT_MAX_TRACKER_SIZE,
     block_bytes: int | None = None,
     progress: ProgressCallback | None = None,
 ) -> ReplayResult:

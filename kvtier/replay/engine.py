@@ -35,6 +35,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+from kvtier.admission import DEFAULT_MAX_TRACKER_SIZE
 from kvtier.manager import OffloadManager
 from kvtier.replay.driver import PROGRESS_EVERY, ProgressCallback, ReplayResult, replay_manager
 from kvtier.replay.trace import MOONCAKE_BLOCK_TOKENS
@@ -271,7 +272,7 @@ def replay_engine(
     config: EngineConfig | None = None,
     *,
     store_threshold: int = 1,
-    max_tracker_size: int = 64_000,
+    max_tracker_size: int = DEFAULT_MAX_TRACKER_SIZE,
     block_bytes: int | None = None,
     progress: ProgressCallback | None = None,
     stats: EngineStats | None = None,

@@ -35,6 +35,7 @@ from typing import Any, overload
 
 import numpy as np
 
+from kvtier.admission import DEFAULT_MAX_TRACKER_SIZE
 from kvtier.leases import DEFAULT_MAX_LEASE_HOLDERS, DEFAULT_MAX_LEASES_PER_REQUEST
 from kvtier.manager import OffloadManager
 from kvtier.policies import policy_class
@@ -78,7 +79,7 @@ class SoakConfig:
     store_threshold: int = 1
     tier_store_threshold: int = 2
     write_policy: str = "evict"
-    max_tracker_size: int = 64_000
+    max_tracker_size: int = DEFAULT_MAX_TRACKER_SIZE
     eviction_history_size: int = 10_000
     max_events: int = 100_000
     max_probes: int = DEFAULT_MAX_PROBES

@@ -45,6 +45,7 @@ from typing import Any
 
 import numpy as np
 
+from kvtier.admission import DEFAULT_MAX_TRACKER_SIZE
 from kvtier.manager import OffloadManager
 from kvtier.replay.driver import ProgressCallback, request_contexts
 from kvtier.replay.trace import MOONCAKE_BLOCK_TOKENS
@@ -227,7 +228,7 @@ def replay_tiered(
     store_threshold: int = 1,
     disk_store_threshold: int = 1,
     disk_write_policy: WritePolicy = "store",
-    max_tracker_size: int = 64_000,
+    max_tracker_size: int = DEFAULT_MAX_TRACKER_SIZE,
     slot_bytes: int = DEFAULT_SLOT_BYTES,
     workdir: str | Path | None = None,
     progress: ProgressCallback | None = None,
@@ -275,7 +276,7 @@ def tiered_cascade(
     write_policy: WritePolicy | Sequence[WritePolicy] = "store",
     store_threshold: int | Sequence[int] = 1,
     *,
-    max_tracker_size: int = 64_000,
+    max_tracker_size: int = DEFAULT_MAX_TRACKER_SIZE,
     slot_bytes: int = DEFAULT_SLOT_BYTES,
     workdir: str | Path | None = None,
     extra_tiers: Sequence[Tier] = (),

@@ -49,6 +49,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from kvtier.admission import DEFAULT_MAX_TRACKER_SIZE
 from kvtier.events import Event
 from kvtier.manager import OffloadManager
 from kvtier.request import RequestContext
@@ -141,7 +142,7 @@ class TierCascade:
         max_queue: int = 256,
         *,
         store_threshold: int | Sequence[int] = 1,
-        max_tracker_size: int = 64_000,
+        max_tracker_size: int = DEFAULT_MAX_TRACKER_SIZE,
         async_lookups: bool = True,
         probe_ttl_s: float = DEFAULT_PROBE_TTL_S,
         probe_timeout_s: float = DEFAULT_PROBE_TIMEOUT_S,

@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+from kvtier.admission import DEFAULT_MAX_TRACKER_SIZE
 from kvtier.argtypes import is_positive_seconds, parse_byte_size
 from kvtier.errors import KVTierError
 from kvtier.leases import DEFAULT_LEASE_TIMEOUT_S, DEFAULT_MAX_LEASES_PER_REQUEST
@@ -73,7 +74,7 @@ class KVTierSettings:
     cpu_bytes_to_use: int
     eviction_policy: str = "default"
     store_threshold: int = 1
-    max_tracker_size: int = 64_000
+    max_tracker_size: int = DEFAULT_MAX_TRACKER_SIZE
     eviction_history_size: int = 10_000
     lease_timeout_s: float = DEFAULT_LEASE_TIMEOUT_S
     max_leases_per_request: int = DEFAULT_MAX_LEASES_PER_REQUEST
