@@ -225,6 +225,18 @@ def test_scaled_trace_file_names_the_line_without_a_length(tmp_path: Path) -> No
     assert write_scaled(path, tmp_path / "one.jsonl", requests=1) == 1
 
 
+def test_scaled_trace_file_names_the_line_without_hash_ids(tmp_path: Path) -> None:
+    # the serving benchmark's client sent it as an empty prompt, refused by the server
+    from kvtier.replay.serving_trace import NoPromptError, write_scaled
+
+    path = _write(tmp_path, ['{"input_length": 600, "hash_ids": [1, 2]}',
+                             '{"input_length": 600, "hash_ids": []}'])
+    with pytest.raises(NoPromptError, match=rf"^{re.escape(str(path))} line 2 has "
+                       r"no prompt tokens \(no hash_ids\)$"):
+        write_scaled(path, tmp_path / "scaled.jsonl", requests=None)
+    assert write_scaled(path, tmp_path / "one.jsonl", requests=1) == 1
+
+
 def test_request_line_counts_blank_lines(tmp_path: Path) -> None:
     from kvtier.replay.trace import request_line
 

@@ -101,13 +101,23 @@ def scaled(requests: Iterable[TraceRequest], tokens_per_block: int = 32,
 def write_scaled(source: Path | None, out: Path, *, requests: int | None,
                  tokens_per_block: int = 32, output_cap: int = DEFAULT_OUTPUT_CAP) -> int:
     """Write the scaled ``source`` trace (default: the bundled one) to ``out``;
-    ``MissingLengthError`` naming the line of a request without an input length."""
+    ``MissingLengthError`` / ``NoPromptError`` naming the line of a request
+    without an input length / without hash ids (vLLM's client would send it
+    as an empty prompt, which the server refuses)."""
     path = source or BUNDLED_TRACE
     try:
-        return write_trace(scaled(iter_trace(path), tokens_per_block, output_cap, requests),
-                           out)
-    except MissingLengthError as exc:
+        return write_trace(_with_prompts(scaled(iter_trace(path), tokens_per_block,
+                                                output_cap, requests)), out)
+    except UnservableRequestError as exc:
         raise located(exc, path) from None
+
+
+def _with_prompts(requests: Iterable[TraceRequest]) -> Iterator[TraceRequest]:
+    """``requests``; ``NoPromptError`` at the first one without hash ids."""
+    for i, request in enumerate(requests):
+        if not request.hash_ids:
+            raise NoPromptError(i)
+        yield request
 
 
 def write_generated(kind: str, seed: int, out: Path, *, requests: int,
