@@ -98,17 +98,22 @@ def default_cpu_bytes(engines: int = 1) -> int:
     return budget
 
 
+DP_RANK = ("--data-parallel-rank", "--data_parallel_rank", "-dpn")
+DP_SIZE_LOCAL = ("--data-parallel-size-local", "--data_parallel_size_local", "-dpl")
+DP_SIZE = ("--data-parallel-size", "--data_parallel_size", "-dp")
+DP_START_RANK = ("--data-parallel-start-rank", "--data_parallel_start_rank", "-dpr")
+"""vLLM's data-parallel options, each as it may be spelt on the command line."""
+
+
 def local_engines(vllm_args: Sequence[str]) -> int:
     """How many engines ``vllm serve`` starts on this host, each with its own
     kvtier CPU tier of ``cpu_bytes_to_use``: one with ``--data-parallel-rank``
     (one rank per server), else ``--data-parallel-size-local``, else
     ``--data-parallel-size``, else one (also when the value cannot be read:
     vLLM will refuse it)."""
-    if _option_value(vllm_args, ("--data-parallel-rank", "--data_parallel_rank",
-                                 "-dpn")) is not None:
+    if _option_value(vllm_args, DP_RANK) is not None:
         return 1
-    for names in (("--data-parallel-size-local", "--data_parallel_size_local", "-dpl"),
-                  ("--data-parallel-size", "--data_parallel_size", "-dp")):
+    for names in (DP_SIZE_LOCAL, DP_SIZE):
         value = _option_value(vllm_args, names)
         if value is not None:
             return int(value) if value.isdigit() and int(value) > 0 else 1
@@ -449,14 +454,37 @@ def check_model_named(vllm_args: Sequence[str]) -> None:
 
 
 def api_servers(vllm_args: Sequence[str]) -> int:
-    """How many API server processes ``vllm serve`` will run: ``--api-server-count``,
-    by default the data-parallel size (1 when either cannot be read)."""
-    for names in (("--api-server-count", "--api_server_count", "-asc"),
-                  ("--data-parallel-size", "--data_parallel_size", "-dp")):
-        value = _option_value(vllm_args, names)
-        if value is not None:
-            return int(value) if value.isdigit() else 1
-    return 1
+    """How many API server processes share one engine's stats, by vLLM's
+    defaults: ``--api-server-count``; else none ``--headless``; one with an
+    external load balancer (``--data-parallel-rank``, ``--data-parallel-external-lb``,
+    ``--data-parallel-multi-port-external-lb``: a server per engine); the local
+    data-parallel size with a hybrid one (``--data-parallel-hybrid-lb``,
+    ``--data-parallel-start-rank``); else the data-parallel size. 1 where a
+    value cannot be read (vLLM will refuse it)."""
+    count = _option_value(vllm_args, ("--api-server-count", "--api_server_count", "-asc"))
+    if count is None:
+        if _switch(vllm_args, ("--headless",)):
+            return 0
+        if (_option_value(vllm_args, DP_RANK) is not None
+                or _switch(vllm_args, ("--data-parallel-external-lb", "-dpe"))
+                or _switch(vllm_args, ("--data-parallel-multi-port-external-lb", "-dpm"))):
+            return 1
+        hybrid = (_switch(vllm_args, ("--data-parallel-hybrid-lb", "-dph"))
+                  or _option_value(vllm_args, DP_START_RANK) is not None)
+        count = _option_value(vllm_args, DP_SIZE_LOCAL if hybrid else DP_SIZE)
+    return int(count) if count is not None and count.isdigit() else 1
+
+
+def _switch(vllm_args: Sequence[str], names: tuple[str, ...]) -> bool:
+    """Whether the last of the flags ``names`` and their ``--no-`` forms given
+    is one of ``names`` (False when none is)."""
+    on = False
+    for arg in map(_flag_name, vllm_args):
+        if arg in names:
+            on = True
+        elif arg.startswith("--no-") and "--" + arg[5:] in names:
+            on = False
+    return on
 
 
 def note_stale_gauges(vllm_args: Sequence[str]) -> None:

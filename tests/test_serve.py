@@ -173,9 +173,32 @@ def test_text_settings_stay_text_through_kvtier(capsys: pytest.CaptureFixture[st
     ([], False), (["--api-server-count", "1"], False), (["--api-server-count=2"], True),
     (["-asc", "4"], True), (["--data-parallel-size", "2"], True),
     (["--data-parallel-size", "2", "--api-server-count", "1"], False),
+    # vLLM's other defaults: one server per engine behind an external balancer,
+    # the local engines' count behind a hybrid one, none headless
+    (["-dp", "4", "--data-parallel-rank", "1"], False),
+    (["-dp", "4", "--data-parallel-external-lb"], False),
+    (["-dp", "4", "--data_parallel_external_lb", "--no-data-parallel-external-lb"], True),
+    (["-dp", "4", "-dpm"], False),
+    (["-dp", "4", "--data-parallel-hybrid-lb", "-dpl", "1"], False),
+    (["-dp", "4", "--data-parallel-start-rank", "2", "-dpl", "2"], True),
+    (["-dp", "4", "--data-parallel-hybrid-lb"], False),
+    (["-dp", "4", "-dpl", "1"], True),
+    (["-dp", "4", "--headless"], False),
 ])
 def test_several_api_servers_are_told_what_they_do_to_the_gauges(
         capsys: pytest.CaptureFixture[str], args: list[str], noted: bool) -> None:
     # vLLM hands each step's stats to one API server: the others' gauges go stale
     _, _, err = printed(capsys, *args)
     assert ("kvtier's gauges" in err) == noted
+
+
+@pytest.mark.parametrize(("args", "servers"), [
+    ([], 1), (["-dp", "4"], 4), (["-dp", "4", "-asc", "2"], 2), (["-dp", "4", "--headless"], 0),
+    (["-dp", "4", "--data-parallel-hybrid-lb", "-dpl", "3"], 3),
+    (["-dp", "4", "--data-parallel-hybrid-lb"], 1), (["-dp", "4", "-dpn", "0"], 1),
+    (["-dp", "x"], 1),
+])
+def test_api_servers_follow_vllms_defaults(args: list[str], servers: int) -> None:
+    from kvtier.serve import api_servers
+
+    assert api_servers(args) == servers
