@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Literal
+from typing import Final, Literal
 
 from kvtier.argtypes import require_positive_int
 
 EventKind = Literal["stored", "removed"]
+
+DEFAULT_MAX_EVENTS: Final = 100_000
+"""Pending events a log keeps by default (``max_events``); oldest dropped first."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,7 +32,7 @@ class EventLog:
 
     __slots__ = ("enabled", "dropped", "_events")
 
-    def __init__(self, enabled: bool, max_events: int = 100_000) -> None:
+    def __init__(self, enabled: bool, max_events: int = DEFAULT_MAX_EVENTS) -> None:
         require_positive_int("max_events", max_events)
         self.enabled = enabled
         self.dropped = 0

@@ -5,7 +5,10 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Iterable
+from typing import Final
 
+DEFAULT_EVICTION_HISTORY_SIZE: Final = 10_000
+"""Evicted keys remembered by default (``eviction_history_size``)."""
 
 class EvictionHistory:
     """Key -> monotonic time of its last eviction, for recently evicted keys.

@@ -9,9 +9,9 @@ from typing import Any
 from kvtier.admission import DEFAULT_MAX_TRACKER_SIZE
 from kvtier.argtypes import require_positive_int
 from kvtier.errors import MissingBlocksError, ProtocolError
-from kvtier.events import Event, EventLog
+from kvtier.events import DEFAULT_MAX_EVENTS, Event, EventLog
 from kvtier.free_slots import FreeSlots
-from kvtier.history import EvictionHistory
+from kvtier.history import DEFAULT_EVICTION_HISTORY_SIZE, EvictionHistory
 from kvtier.holds import BlockHolds, decrement, increment
 from kvtier.keys import check_keys, key_group
 from kvtier.leases import (
@@ -63,12 +63,12 @@ class OffloadManager:
         store_threshold: int = 1,
         max_tracker_size: int = DEFAULT_MAX_TRACKER_SIZE,
         enable_events: bool = False,
-        eviction_history_size: int = 10_000,
+        eviction_history_size: int = DEFAULT_EVICTION_HISTORY_SIZE,
         *,
         max_leases_per_request: int = DEFAULT_MAX_LEASES_PER_REQUEST,
         max_leased_blocks: int | None = None,
         lease_timeout_s: float = DEFAULT_LEASE_TIMEOUT_S,
-        max_events: int = 100_000,
+        max_events: int = DEFAULT_MAX_EVENTS,
         max_lease_holders: int = DEFAULT_MAX_LEASE_HOLDERS,
     ) -> None:
         self.num_blocks = require_positive_int("num_blocks", num_blocks)

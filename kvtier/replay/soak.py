@@ -36,6 +36,8 @@ from typing import Any, overload
 import numpy as np
 
 from kvtier.admission import DEFAULT_MAX_TRACKER_SIZE
+from kvtier.events import DEFAULT_MAX_EVENTS
+from kvtier.history import DEFAULT_EVICTION_HISTORY_SIZE
 from kvtier.leases import DEFAULT_MAX_LEASE_HOLDERS, DEFAULT_MAX_LEASES_PER_REQUEST
 from kvtier.manager import OffloadManager
 from kvtier.policies import policy_class
@@ -45,6 +47,7 @@ from kvtier.replay.tiered import NAMESPACE, Replayer, tiered_cascade
 from kvtier.replay.trace import MOONCAKE_BLOCK_TOKENS
 from kvtier.request import RequestContext
 from kvtier.tiers.base import Tier
+from kvtier.tiers.cascade import DEFAULT_MAX_FAILED
 from kvtier.tiers.probes import DEFAULT_MAX_PROBES
 
 MAX_QUEUE = 256
@@ -80,10 +83,10 @@ class SoakConfig:
     tier_store_threshold: int = 2
     write_policy: str = "evict"
     max_tracker_size: int = DEFAULT_MAX_TRACKER_SIZE
-    eviction_history_size: int = 10_000
-    max_events: int = 100_000
+    eviction_history_size: int = DEFAULT_EVICTION_HISTORY_SIZE
+    max_events: int = DEFAULT_MAX_EVENTS
     max_probes: int = DEFAULT_MAX_PROBES
-    max_failed: int = 10_000
+    max_failed: int = DEFAULT_MAX_FAILED
     slot_bytes: int = 64
     workdir: str | None = None
 

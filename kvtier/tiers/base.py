@@ -53,7 +53,7 @@ from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Final, Literal
 
 from kvtier.argtypes import is_positive_seconds
 from kvtier.errors import KVTierError
@@ -62,6 +62,9 @@ from kvtier.keys import check_keys
 from kvtier.tiers.blockfile import BytesLike, byte_view
 
 TierEventKind = Literal["stored", "removed", "corrupt", "breaker_open", "breaker_closed"]
+
+DEFAULT_MAX_TIER_EVENTS: Final = 10_000
+"""Pending events a tier keeps by default (``max_events``); oldest dropped first."""
 
 COUNTERS = ("hits", "misses", "stores", "dropped_stores", "corrupt", "evictions", "errors")
 """Counters every tier reports in ``stats()``."""
@@ -102,7 +105,7 @@ class TierEvent:
 class TierEventLog:
     """At most ``max_events`` pending events; older ones dropped and counted."""
 
-    def __init__(self, tier: str, enabled: bool, max_events: int = 10_000) -> None:
+    def __init__(self, tier: str, enabled: bool, max_events: int = DEFAULT_MAX_TIER_EVENTS) -> None:
         if isinstance(max_events, bool) or not isinstance(max_events, int) or max_events < 1:
             raise TierConfigError(f"max_events must be an int >= 1, got {max_events!r}")
         self.tier = tier

@@ -32,7 +32,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Final, Literal
 
 from kvtier.tiers.base import TierConfigError, seconds_setting
 
@@ -48,6 +48,13 @@ class Permit:
     epoch: int
 
 
+DEFAULT_FAILURE_THRESHOLD: Final = 3
+DEFAULT_RESET_TIMEOUT_S: Final = 1.0
+DEFAULT_MAX_RESET_TIMEOUT_S: Final = 30.0
+"""The breaker's defaults: failures in a row that open it, and its first and
+longest wait before a probe."""
+
+
 class CircuitBreaker:
     """See the module docstring. ``on_change(state)`` is called, outside the
     breaker's lock, when it opens after closed (``"open"``) and when it closes
@@ -57,9 +64,9 @@ class CircuitBreaker:
 
     def __init__(
         self,
-        failure_threshold: int = 3,
-        reset_timeout_s: float = 1.0,
-        max_reset_timeout_s: float = 30.0,
+        failure_threshold: int = DEFAULT_FAILURE_THRESHOLD,
+        reset_timeout_s: float = DEFAULT_RESET_TIMEOUT_S,
+        max_reset_timeout_s: float = DEFAULT_MAX_RESET_TIMEOUT_S,
         *,
         clock: Callable[[], float] = time.monotonic,
         on_change: Callable[[BreakerState], None] | None = None,

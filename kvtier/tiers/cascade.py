@@ -71,6 +71,8 @@ logger = logging.getLogger(__name__)
 DEFAULT_PROMOTION_TIMEOUT_S = 2.0
 """How long a request waits for a block to come up from a lower tier before it
 computes the block instead: the most a slow or stuck tier adds to its TTFT."""
+DEFAULT_MAX_FAILED = 10_000
+"""Failed promotions remembered as misses by default (``max_failed``)."""
 
 RESET_WAIT_S = 1.0
 """How long ``reset`` waits for I/O jobs before abandoning them (it runs on the
@@ -148,7 +150,7 @@ class TierCascade:
         probe_timeout_s: float = DEFAULT_PROBE_TIMEOUT_S,
         max_probes: int = DEFAULT_MAX_PROBES,
         failure_ttl_s: float = 10.0,
-        max_failed: int = 10_000,
+        max_failed: int = DEFAULT_MAX_FAILED,
         promotion_timeout_s: float = DEFAULT_PROMOTION_TIMEOUT_S,
         own_tiers: bool = True,
     ) -> None:

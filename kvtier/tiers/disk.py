@@ -59,6 +59,7 @@ from collections.abc import Callable, Mapping, Sequence
 from kvtier.file_locks import hold_lock
 from kvtier.tiers import blockfile
 from kvtier.tiers.base import (
+    DEFAULT_MAX_TIER_EVENTS,
     Counters,
     Tier,
     TierConfigError,
@@ -163,7 +164,7 @@ class DiskTier(Tier):
         tmp_max_age_s: float = TMP_MAX_AGE_S,
         touch_on_hit: bool = True,
         enable_events: bool = False,
-        max_events: int = 10_000,
+        max_events: int = DEFAULT_MAX_TIER_EVENTS,
         free_space: Callable[[str], int] | None = None,
         manifest: Mapping[str, object] | None = None,
         lookups: str = "auto",

@@ -22,7 +22,14 @@ from typing import Any
 import numpy as np
 
 from kvtier.slots.region import SlotRegion
-from kvtier.tiers.base import Counters, Tier, TierConfigError, TierEvent, TierEventLog
+from kvtier.tiers.base import (
+    DEFAULT_MAX_TIER_EVENTS,
+    Counters,
+    Tier,
+    TierConfigError,
+    TierEvent,
+    TierEventLog,
+)
 from kvtier.tiers.blockfile import BytesLike
 
 
@@ -89,7 +96,7 @@ class RankedTier(Tier):
     """``stats()`` entries that count blocks, whatever the number of ranks."""
 
     def __init__(self, tiers: Sequence[Tier], enable_events: bool = False,
-                 max_events: int = 10_000) -> None:
+                 max_events: int = DEFAULT_MAX_TIER_EVENTS) -> None:
         self.ranks = list(tiers)
         if not self.ranks:
             raise TierConfigError("RankedTier needs one tier per rank, got none")

@@ -93,6 +93,7 @@ from kvtier.secrets import (
 )
 from kvtier.tiers import blockfile
 from kvtier.tiers.base import (
+    DEFAULT_MAX_TIER_EVENTS,
     Counters,
     Tier,
     TierConfigError,
@@ -106,7 +107,13 @@ from kvtier.tiers.base import (
     seconds_setting,
 )
 from kvtier.tiers.blockfile import BytesLike, CorruptBlockError
-from kvtier.tiers.breaker import BreakerState, CircuitBreaker
+from kvtier.tiers.breaker import (
+    DEFAULT_FAILURE_THRESHOLD,
+    DEFAULT_MAX_RESET_TIMEOUT_S,
+    DEFAULT_RESET_TIMEOUT_S,
+    BreakerState,
+    CircuitBreaker,
+)
 from kvtier.tiers.namespace import check_namespace
 
 logger = logging.getLogger(__name__)
@@ -182,12 +189,12 @@ class RedisTier(Tier):
         max_batch_keys: int = 32,
         max_batch_bytes: int = 64 << 20,
         max_block_bytes: int | None = None,
-        failure_threshold: int = 3,
-        reset_timeout_s: float = 1.0,
-        max_reset_timeout_s: float = 30.0,
+        failure_threshold: int = DEFAULT_FAILURE_THRESHOLD,
+        reset_timeout_s: float = DEFAULT_RESET_TIMEOUT_S,
+        max_reset_timeout_s: float = DEFAULT_MAX_RESET_TIMEOUT_S,
         key_prefix: str = "kvtier",
         enable_events: bool = False,
-        max_events: int = 10_000,
+        max_events: int = DEFAULT_MAX_TIER_EVENTS,
         client_options: Mapping[str, Any] | None = None,
     ) -> None:
         self.safe_url, scheme = _checked_url(url)

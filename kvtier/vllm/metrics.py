@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvtier.events import DEFAULT_MAX_EVENTS
+from kvtier.tiers.base import DEFAULT_MAX_TIER_EVENTS
 from kvtier.tiers.disk_lookups import DEFAULT_LOOKUP_TIMEOUT_S
 
 METRIC_PREFIX = "vllm:kvtier_"
@@ -31,7 +33,8 @@ COUNTERS = {
     "allocation_failures": "Store offers, and promotions from a lower tier, refused because "
                            "no CPU slot could be freed.",
     "events_dropped": "KV cache events of the CPU tier (each: blocks stored or removed "
-                      "together) dropped, oldest first, because 100,000 were pending "
+                      f"together) dropped, oldest first, because {DEFAULT_MAX_EVENTS:,} "
+                      "were pending "
                       "(nobody took them).",
 }
 """Counter name (after the prefix) -> help text; values are manager.stats() fields."""
@@ -78,7 +81,8 @@ PER_TIER_COUNTERS = {
     "write_ms": "Milliseconds I/O threads spent writing to this tier.",
     "events_dropped": "This tier's KV cache events (each: blocks stored or removed "
                       "together) dropped, oldest first, while as many were pending as "
-                      "the tier keeps (10,000 by default; nobody took them).",
+                      f"the tier keeps ({DEFAULT_MAX_TIER_EVENTS:,} by default; nobody "
+                      "took them).",
 }
 """Counters of each tier's ``stats()``, labelled ``tier`` (``disk``, ``redis``)."""
 

@@ -13,6 +13,7 @@ from typing import Any
 from kvtier.admission import DEFAULT_MAX_TRACKER_SIZE
 from kvtier.argtypes import is_positive_seconds, parse_byte_size
 from kvtier.errors import KVTierError
+from kvtier.history import DEFAULT_EVICTION_HISTORY_SIZE
 from kvtier.leases import DEFAULT_LEASE_TIMEOUT_S, DEFAULT_MAX_LEASES_PER_REQUEST
 from kvtier.policies import policy_class
 from kvtier.secrets import (
@@ -75,7 +76,7 @@ class KVTierSettings:
     eviction_policy: str = "default"
     store_threshold: int = 1
     max_tracker_size: int = DEFAULT_MAX_TRACKER_SIZE
-    eviction_history_size: int = 10_000
+    eviction_history_size: int = DEFAULT_EVICTION_HISTORY_SIZE
     lease_timeout_s: float = DEFAULT_LEASE_TIMEOUT_S
     max_leases_per_request: int = DEFAULT_MAX_LEASES_PER_REQUEST
     max_leased_blocks: int | None = None
