@@ -1,11 +1,12 @@
 """A real engine's prompt served from the disk tier: how long the request
-takes, with the I/O threads' quick GIL hand-offs (``quick_handoffs``) and
-without them, side by side in one engine.
+takes, with the I/O threads' quick GIL hand-offs (``quick_handoffs``, at each
+``--intervals`` switch interval; by default the I/O threads') and without
+them (``plain``), side by side in one engine.
 
 A first engine writes ``--prompts`` prompts of ``--tokens`` tokens to a disk
 tier and stops. A second engine on the same directory (its GPU cache and
-CPU tier empty) then answers each prompt once (one output token), the two
-modes alternating; each prompt is asked once, so each one's blocks come up
+CPU tier empty) then answers each prompt once (one output token), the
+modes taking turns; each prompt is asked once, so each one's blocks come up
 from disk. Printed per mode: the median seconds per request, how many of
 its prompt tokens came from kvtier (blocks not promoted within
 ``promotion_timeout_s`` are computed instead) and the promotion timeouts.
@@ -13,18 +14,21 @@ vLLM steps in a Python loop while a request waits for its blocks, as its
 engine core does, so the I/O threads share the GIL with a busy thread.
 
     python benchmarks/bench_disk_promotion.py [--prompts 8] [--tokens 960]
+        [--intervals 100,30,10]
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -37,7 +41,6 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in th
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
-MODES = ("quick", "plain")
 CPU_BYTES = 64 << 20
 DISK_BYTES = 256 << 20
 
@@ -82,20 +85,23 @@ def settings(prompts: list[list[int]]) -> EngineSettings:
     return E.EngineSettings(max_model_len=longest, num_gpu_blocks=longest // 32 + 8)
 
 
-def serve_from_disk(model: Path, disk: Path,
-                    prompts: list[list[int]]) -> dict[str, list[tuple[float, int, int]]]:
+def serve_from_disk(model: Path, disk: Path, prompts: list[list[int]],
+                    intervals_us: list[float]) -> dict[str, list[tuple[float, int, int]]]:
     """Per mode: (seconds, tokens from kvtier, promotion timeouts) per request."""
     from kvtier.demo import engine as E
     from kvtier.tiers import io_pool
     from kvtier.tiers.gil_handoff import quick_handoffs
 
-    wrappers = {"quick": quick_handoffs, "plain": plain_handoffs}
-    out: dict[str, list[tuple[float, int, int]]] = {m: [] for m in MODES}
+    wrappers: dict[str, Callable[[], AbstractContextManager[None]]] = {
+        f"quick {us:g} us": functools.partial(quick_handoffs, us * 1e-6) for us in intervals_us}
+    wrappers["plain"] = plain_handoffs
+    modes = list(wrappers)
+    out: dict[str, list[tuple[float, int, int]]] = {m: [] for m in modes}
     config = E.kvtier_config(CPU_BYTES, disk_path=str(disk), disk_bytes=DISK_BYTES)
     with E.running_engine(model, config, settings(prompts)) as llm:
         cascade = E.kvtier_cascade(llm)
         for i, p in enumerate(prompts):
-            mode = MODES[(i + i // 2) % 2]  # quick, plain, plain, quick, ...
+            mode = modes[(i + i // len(modes)) % len(modes)]  # each round one place on
             io_pool.quick_handoffs = wrappers[mode]  # type: ignore[assignment]
             before = cascade.stats()["promotion_timeouts"]
             start = time.perf_counter()
@@ -110,9 +116,17 @@ def serve_from_disk(model: Path, disk: Path,
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--prompts", type=int, default=8, help="prompts in all (even: half per mode)")
+    ap.add_argument("--prompts", type=int, default=8,
+                    help="prompts in all (a multiple of the modes: as many per mode)")
     ap.add_argument("--tokens", type=int, default=960, help="tokens per prompt")
+    ap.add_argument("--intervals", default=None, metavar="US[,US...]",
+                    help="switch intervals of the quick modes, microseconds (default: "
+                    "the I/O threads')")
     args = ap.parse_args(argv)
+    from kvtier.tiers.gil_handoff import IO_SWITCH_INTERVAL_S
+
+    intervals = [float(us) for us in (args.intervals or f"{IO_SWITCH_INTERVAL_S * 1e6:g}")
+                 .split(",")]
     from kvtier.demo.tiny_model import build_tiny_llama
 
     prompts = [prompt(i, args.tokens) for i in range(args.prompts)]
@@ -120,16 +134,15 @@ def main(argv: list[str] | None = None) -> int:
         model = build_tiny_llama(Path(root) / "tiny-llama")
         disk = Path(root) / "disk"
         fill_disk(model, disk, prompts)
-        results = serve_from_disk(model, disk, prompts)
+        results = serve_from_disk(model, disk, prompts, intervals)
     print(f"{args.prompts} prompts of {args.tokens} tokens, each served once from the disk "
           "tier by a second engine (tiny Llama, CPU)")
-    print(f"{'hand-offs':10s} {'requests':>8s} {'median s':>9s} {'from kvtier':>12s} "
+    print(f"{'hand-offs':14s} {'requests':>8s} {'median s':>9s} {'from kvtier':>12s} "
           f"{'timeouts':>9s}")
-    for mode in MODES:
-        rows = results[mode]
+    for mode, rows in results.items():
         seconds = statistics.median(r[0] for r in rows)
         cached = sum(r[1] for r in rows)
-        print(f"{mode:10s} {len(rows):8d} {seconds:9.3f} {cached:7d}/{len(rows) * args.tokens:<5d}"
+        print(f"{mode:14s} {len(rows):8d} {seconds:9.3f} {cached:7d}/{len(rows) * args.tokens:<5d}"
               f"{sum(r[2] for r in rows):8d}")
     return 0
 

@@ -5,16 +5,21 @@ cascade's I/O threads run their jobs in), side by side.
 
 Each round reads ``--blocks`` blocks of ``--block-kib`` KiB with one
 ``DiskTier.get_into`` (what a ``PromotionJob`` calls) on a second thread, in
-three modes: ``alone`` (nothing else runs), ``busy`` (a thread counts in a
-Python loop meanwhile) and ``busy+quick`` (the same, the read inside
-``quick_handoffs``). Printed: the median milliseconds per read of each mode
-over ``--rounds`` rounds (modes interleaved) and its ratio to ``alone``.
-Then, for the two busy modes, reads back to back for ``--window`` seconds
-(I/O saturated, as under a stream of writes): reads per second, and the
-busy thread's loop rate against its rate alone just before (what the I/O
-costs the engine's thread when it never pauses).
+these modes: ``alone`` (nothing else runs), ``busy`` (a thread counts in a
+Python loop meanwhile) and ``quick X us`` (the same, the read inside
+``quick_handoffs(X)``, one mode per ``--intervals`` value; by default
+``IO_SWITCH_INTERVAL_S``, what the I/O threads use). Printed: the median
+milliseconds per read of each mode over ``--rounds`` rounds (modes
+interleaved) and its ratio to ``alone``. Then, for the busy modes, reads
+back to back for ``--window`` seconds (I/O saturated, as under a stream of
+writes): reads per second, the busy thread's loop rate against its rate
+alone just before (what the I/O costs the engine's thread when it never
+pauses), and that loss per read. Last, what a low interval costs two threads
+that both keep running Python (a call hung in a tier keeps the interval low):
+their loops per second together, at CPython's default and at each interval.
 
-    python benchmarks/bench_gil_handoff.py [--blocks 108] [--block-kib 32] [--rounds 5] [--window 3]
+    python benchmarks/bench_gil_handoff.py [--blocks 108] [--block-kib 32] [--rounds 5]
+        [--window 3] [--intervals 100,30,10,3]
 """
 
 from __future__ import annotations
@@ -32,7 +37,6 @@ from kvtier import block_key
 from kvtier.tiers import DiskTier
 from kvtier.tiers.gil_handoff import IO_SWITCH_INTERVAL_S, quick_handoffs
 
-MODES = ("alone", "busy", "busy+quick")
 Read = Callable[[], object]
 
 
@@ -69,21 +73,29 @@ def on_a_thread(fn: Callable[[], None]) -> None:
     thread.join()
 
 
-def quick(read: Read) -> Read:
-    """``read`` inside ``quick_handoffs``."""
+def quick(read: Read, interval_s: float) -> Read:
+    """``read`` inside ``quick_handoffs(interval_s)``."""
     def quick_read() -> object:
-        with quick_handoffs():
+        with quick_handoffs(interval_s):
             return read()
     return quick_read
+
+
+def mode_read(mode: str, read: Read) -> Read:
+    """``read`` as ``mode`` runs it (``quick X us``: under quick hand-offs)."""
+    if mode.startswith("quick "):
+        return quick(read, float(mode.split()[1]) * 1e-6)
+    return read
 
 
 def one_read(mode: str, read: Read) -> float:
     """Seconds of one read in ``mode``."""
     took: list[float] = []
+    run_read = mode_read(mode, read)
 
     def run() -> None:
         start = time.perf_counter()
-        (quick(read) if mode == "busy+quick" else read)()
+        run_read()
         took.append(time.perf_counter() - start)
 
     if mode == "alone":
@@ -98,7 +110,7 @@ def one_read(mode: str, read: Read) -> float:
 def saturated(mode: str, read: Read, window_s: float) -> tuple[float, float]:
     """(reads per second, the busy thread's loop rate) with reads back to
     back for ``window_s`` beside the busy thread."""
-    one = quick(read) if mode == "busy+quick" else read
+    one = mode_read(mode, read)
     reads = 0
 
     def loop() -> None:
@@ -115,6 +127,19 @@ def saturated(mode: str, read: Read, window_s: float) -> tuple[float, float]:
     return reads / elapsed, busy.rate
 
 
+def two_threads_rate(interval_s: float, window_s: float) -> float:
+    """Loops per second of two busy threads together, the switch interval at
+    ``interval_s`` meanwhile."""
+    saved = sys.getswitchinterval()
+    sys.setswitchinterval(interval_s)
+    try:
+        with BusyThread() as one, BusyThread() as two:
+            time.sleep(window_s)
+    finally:
+        sys.setswitchinterval(saved)
+    return one.rate + two.rate
+
+
 def alone_rate(seconds: float) -> float:
     """The busy thread's loop rate with nothing else running."""
     with BusyThread() as busy:
@@ -129,10 +154,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--window", type=float, default=3.0,
                     help="seconds of back-to-back reads per busy mode")
+    ap.add_argument("--intervals", default=f"{IO_SWITCH_INTERVAL_S * 1e6:g}",
+                    metavar="US[,US...]",
+                    help="switch intervals of the quick modes, microseconds (default: "
+                    "the I/O threads')")
     ap.add_argument("--dir", default=None, help="directory of the disk tier (default: a temp dir)")
     args = ap.parse_args(argv)
+    modes = ["alone", "busy", *(f"quick {float(us):g} us" for us in args.intervals.split(","))]
     size = args.block_kib << 10
-    took: dict[str, list[float]] = {m: [] for m in MODES}
+    took: dict[str, list[float]] = {m: [] for m in modes}
     load: dict[str, tuple[float, float]] = {}
     with tempfile.TemporaryDirectory(dir=args.dir) as root:
         tier = DiskTier(root, "bench-gil", 4 * args.blocks * (size + 4096))
@@ -144,25 +174,37 @@ def main(argv: list[str] | None = None) -> int:
             return tier.get_into(keys, buffers)
 
         for r in range(args.rounds):
-            for mode in MODES[r % 3:] + MODES[:r % 3]:  # the order rotates
+            turn = r % len(modes)
+            for mode in modes[turn:] + modes[:turn]:  # the order rotates
                 took[mode].append(one_read(mode, read))
-        for mode in MODES[1:]:
+        for mode in modes[1:]:
             base_rate = alone_rate(args.window)
             per_s, rate = saturated(mode, read, args.window)
             load[mode] = (per_s, rate / base_rate)
         tier.close()
+    intervals = [sys.getswitchinterval(), *(float(m.split()[1]) * 1e-6 for m in modes[2:])]
+    twos = {x: two_threads_rate(x, args.window) for x in intervals}
+    print_results(args, took, load, twos)
+    return 0
+
+
+def print_results(args: argparse.Namespace, took: dict[str, list[float]],
+                  load: dict[str, tuple[float, float]], twos: dict[float, float]) -> None:
     base = statistics.median(took["alone"])
     print(f"{args.blocks} blocks of {args.block_kib} KiB per read; switch interval "
-          f"{sys.getswitchinterval() * 1e3:g} ms, under quick_handoffs "
-          f"{IO_SWITCH_INTERVAL_S * 1e3:g} ms; medians of {args.rounds} rounds")
-    print(f"{'mode':12s} {'ms/read':>9s} {'x alone':>8s}")
-    for mode in MODES:
-        ms = statistics.median(took[mode]) * 1e3
-        print(f"{mode:12s} {ms:9.1f} {ms / (base * 1e3):8.1f}")
+          f"{sys.getswitchinterval() * 1e3:g} ms (busy), I/O threads' "
+          f"{IO_SWITCH_INTERVAL_S * 1e6:g} us; medians of {args.rounds} rounds")
+    print(f"{'mode':14s} {'ms/read':>9s} {'x alone':>8s}")
+    for mode, times in took.items():
+        ms = statistics.median(times) * 1e3
+        print(f"{mode:14s} {ms:9.1f} {ms / (base * 1e3):8.1f}")
     print(f"reads back to back for {args.window:g} s:")
     for mode, (per_s, rate) in load.items():
-        print(f"{mode:12s} {per_s:9.1f} reads/s; busy thread at {rate:.2f} x its rate alone")
-    return 0
+        print(f"{mode:14s} {per_s:9.1f} reads/s; busy thread at {rate:.2f} x its rate alone, "
+              f"{(1 - rate) / per_s * 100:.2f} % of it per read/s")
+    print(f"two threads running Python for {args.window:g} s:")
+    for interval, rate in twos.items():
+        print(f"interval {interval * 1e6:7g} us {rate / 1e6:6.2f} M loops/s together")
 
 
 if __name__ == "__main__":

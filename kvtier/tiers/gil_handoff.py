@@ -20,7 +20,8 @@ than before (once per call of an I/O thread), only sooner. The interval is
 the interpreter's, so one counter serves every cascade of the process, and
 a value someone else set meanwhile is left as it is. A call hung in a tier
 keeps its job running, and the interval low, until it returns: two other
-threads both running Python then take turns every 0.1 ms instead of 5 ms.
+threads both running Python then take turns every 10 us instead of 5 ms,
+which costs them nothing measurable (the benchmark's last rows).
 """
 
 from __future__ import annotations
@@ -32,9 +33,14 @@ from contextlib import contextmanager
 
 from kvtier.argtypes import is_positive_seconds
 
-IO_SWITCH_INTERVAL_S = 0.0001
+IO_SWITCH_INTERVAL_S = 0.00001
 """The switch interval while I/O jobs run: a call's GIL hand-off waits at
-most this long (0.1 ms; CPython's default is 5 ms)."""
+most this long (10 us; CPython's default is 5 ms). Below it the thread's
+wake-up sets the pace: a 108-block read beside a busy thread took 56.0 /
+36.7 / 32.7 / 29.8 ms at 100 / 30 / 10 / 3 us, while the busy thread gave
+up about the same share of its rate per read at each
+(``benchmarks/bench_gil_handoff.py --intervals 100,30,10,3``; README,
+"Measured costs")."""
 
 
 class _Handoffs:
