@@ -4,7 +4,9 @@ CPython's switch interval (5 ms), and under ``quick_handoffs`` (what the
 cascade's I/O threads run their jobs in), side by side.
 
 Each round reads ``--blocks`` blocks of ``--block-kib`` KiB with one
-``DiskTier.get_into`` (what a ``PromotionJob`` calls) on a second thread, in
+``get_into`` (what a ``PromotionJob`` calls) of a disk tier, or with
+``--tier redis`` of a Redis tier on a redis-server started for the run, on a
+second thread, in
 these modes: ``alone`` (nothing else runs), ``busy`` (a thread counts in a
 Python loop meanwhile) and ``quick X us`` (the same, the read inside
 ``quick_handoffs(X)``, one mode per ``--intervals`` value; by default
@@ -16,26 +18,29 @@ writes): reads per second, the busy thread's loop rate against its rate
 alone just before (what the I/O costs the engine's thread when it never
 pauses), and that loss per read. Last, what a low interval costs two threads
 that both keep running Python (a call hung in a tier keeps the interval low):
-their loops per second together, at CPython's default and at each interval.
+their loops per second together, at CPython's default and at each interval,
+medians over the rounds (a third of the window each).
 
     python benchmarks/bench_gil_handoff.py [--blocks 108] [--block-kib 32] [--rounds 5]
-        [--window 3] [--intervals 100,30,10,3]
+        [--window 3] [--intervals 100,30,10,3] [--tier disk|redis]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from kvtier import block_key
-from kvtier.tiers import DiskTier
+from kvtier.tiers import DiskTier, RedisTier, Tier
 from kvtier.tiers.gil_handoff import IO_SWITCH_INTERVAL_S, quick_handoffs
+from kvtier.tiers.redis_server import RedisServer
 
 Read = Callable[[], object]
 
@@ -147,6 +152,23 @@ def alone_rate(seconds: float) -> float:
     return busy.rate
 
 
+@contextlib.contextmanager
+def tier_to_read(args: argparse.Namespace, capacity: int) -> Iterator[Tier]:
+    """The ``--tier`` to read, closed (its server stopped) afterwards."""
+    if args.tier == "disk":
+        with tempfile.TemporaryDirectory(dir=args.dir) as root, \
+                DiskTier(root, "bench-gil", capacity) as tier:
+            yield tier
+        return
+    server = RedisServer(config={"maxmemory": str(2 * capacity),
+                                 "maxmemory-policy": "allkeys-lru"}).start()
+    try:
+        with RedisTier(server.url, "bench-gil", socket_timeout_s=30.0) as tier:
+            yield tier
+    finally:
+        server.close()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--blocks", type=int, default=108)
@@ -158,14 +180,15 @@ def main(argv: list[str] | None = None) -> int:
                     metavar="US[,US...]",
                     help="switch intervals of the quick modes, microseconds (default: "
                     "the I/O threads')")
+    ap.add_argument("--tier", choices=("disk", "redis"), default="disk",
+                    help="the tier read: disk, or a redis-server started for the run")
     ap.add_argument("--dir", default=None, help="directory of the disk tier (default: a temp dir)")
     args = ap.parse_args(argv)
     modes = ["alone", "busy", *(f"quick {float(us):g} us" for us in args.intervals.split(","))]
     size = args.block_kib << 10
     took: dict[str, list[float]] = {m: [] for m in modes}
     load: dict[str, tuple[float, float]] = {}
-    with tempfile.TemporaryDirectory(dir=args.dir) as root:
-        tier = DiskTier(root, "bench-gil", 4 * args.blocks * (size + 4096))
+    with tier_to_read(args, 4 * args.blocks * (size + 4096)) as tier:
         keys = [block_key(i) for i in range(args.blocks)]
         tier.put([(k, os.urandom(size)) for k in keys])
         buffers = [bytearray(size) for _ in keys]
@@ -181,17 +204,19 @@ def main(argv: list[str] | None = None) -> int:
             base_rate = alone_rate(args.window)
             per_s, rate = saturated(mode, read, args.window)
             load[mode] = (per_s, rate / base_rate)
-        tier.close()
     intervals = [sys.getswitchinterval(), *(float(m.split()[1]) * 1e-6 for m in modes[2:])]
-    twos = {x: two_threads_rate(x, args.window) for x in intervals}
+    twos: dict[float, list[float]] = {x: [] for x in intervals}
+    for r in range(args.rounds):  # a third of the window each, the order rotating
+        for x in intervals[r % len(intervals):] + intervals[:r % len(intervals)]:
+            twos[x].append(two_threads_rate(x, args.window / 3))
     print_results(args, took, load, twos)
     return 0
 
 
 def print_results(args: argparse.Namespace, took: dict[str, list[float]],
-                  load: dict[str, tuple[float, float]], twos: dict[float, float]) -> None:
+                  load: dict[str, tuple[float, float]], twos: dict[float, list[float]]) -> None:
     base = statistics.median(took["alone"])
-    print(f"{args.blocks} blocks of {args.block_kib} KiB per read; switch interval "
+    print(f"{args.blocks} blocks of {args.block_kib} KiB per {args.tier} read; switch interval "
           f"{sys.getswitchinterval() * 1e3:g} ms (busy), I/O threads' "
           f"{IO_SWITCH_INTERVAL_S * 1e6:g} us; medians of {args.rounds} rounds")
     print(f"{'mode':14s} {'ms/read':>9s} {'x alone':>8s}")
@@ -202,9 +227,13 @@ def print_results(args: argparse.Namespace, took: dict[str, list[float]],
     for mode, (per_s, rate) in load.items():
         print(f"{mode:14s} {per_s:9.1f} reads/s; busy thread at {rate:.2f} x its rate alone, "
               f"{(1 - rate) / per_s * 100:.2f} % of it per read/s")
-    print(f"two threads running Python for {args.window:g} s:")
-    for interval, rate in twos.items():
-        print(f"interval {interval * 1e6:7g} us {rate / 1e6:6.2f} M loops/s together")
+    print(f"two threads running Python, {args.window / 3:g} s a round, medians of "
+          f"{args.rounds} rounds:")
+    base_two = statistics.median(twos[next(iter(twos))])
+    for interval, rates in twos.items():
+        rate = statistics.median(rates)
+        print(f"interval {interval * 1e6:7g} us {rate / 1e6:6.2f} M loops/s together "
+              f"({rate / base_two:.2f} x)")
 
 
 if __name__ == "__main__":

@@ -36,8 +36,8 @@ from kvtier.argtypes import is_positive_seconds
 IO_SWITCH_INTERVAL_S = 0.00001
 """The switch interval while I/O jobs run: a call's GIL hand-off waits at
 most this long (10 us; CPython's default is 5 ms). Below it the thread's
-wake-up sets the pace: a 108-block read beside a busy thread took 56.0 /
-36.7 / 32.7 / 29.8 ms at 100 / 30 / 10 / 3 us, while the busy thread gave
+wake-up sets the pace: a 108-block read beside a busy thread took 58.9 /
+34.9 / 29.2 / 26.8 ms at 100 / 30 / 10 / 3 us, while the busy thread gave
 up about the same share of its rate per read at each
 (``benchmarks/bench_gil_handoff.py --intervals 100,30,10,3``; README,
 "Measured costs")."""
