@@ -27,11 +27,12 @@ from typing import Any
 
 from kvtier import prom
 from kvtier.demo.tiny_model import NUM_SPECIAL, VOCAB_SIZE, token_prompt
+from kvtier.replay.serving_trace import ENGINE_BLOCK_TOKENS
 from kvtier.server_process import ServerProcess, session_pids
 from kvtier.slots.region import PREFIX, SUFFIX, RegionHeader, default_shm_dir
 from kvtier.tiers.redis_server import free_port
 
-BLOCK_TOKENS = 32
+BLOCK_TOKENS = ENGINE_BLOCK_TOKENS  # the engines' --block-size
 GPU_BLOCKS = 96
 ENGINE_FLAGS = ["--block-size", str(BLOCK_TOKENS), "--max-model-len", "1024",
                 "--num-gpu-blocks-override", str(GPU_BLOCKS),

@@ -45,10 +45,11 @@ from kvtier import prom
 from kvtier.bench.outfiles import atomic_output, move_aside, write_atomic
 from kvtier.launch import vllm_command
 from kvtier.policies import POLICIES, policy_class
+from kvtier.replay.serving_trace import ENGINE_BLOCK_TOKENS
 from kvtier.replay.trace import BUNDLED_TRACE, TraceFormatError
 from kvtier.server_process import ServerError, ServerProcess
 
-BLOCK_TOKENS = 32
+BLOCK_TOKENS = ENGINE_BLOCK_TOKENS  # the engines' --block-size
 CONFIGS = ("none", "vllm-lru", "lru", "default", "default+disk")
 """Server configurations, in the order of the table (the default set; any
 ``POLICY`` or ``POLICY+disk`` is accepted too, a built-in policy or a custom

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from kvtier.replay.serving_trace import ENGINE_BLOCK_TOKENS
+
 if TYPE_CHECKING:
     from vllm import LLM, RequestOutput
 
@@ -34,7 +36,7 @@ class EngineSettings:
     ``num_gpu_blocks * block_size`` must be at least ``max_model_len``.
     """
 
-    block_size: int = 32
+    block_size: int = ENGINE_BLOCK_TOKENS
     max_model_len: int = 1024
     num_gpu_blocks: int = 64
     max_num_seqs: int = 4

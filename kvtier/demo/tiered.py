@@ -38,10 +38,11 @@ from typing import Any
 from kvtier import prom
 from kvtier.demo.tiny_model import kv_bytes_per_block
 from kvtier.demo.workload import DemoError, Workload
+from kvtier.replay.serving_trace import ENGINE_BLOCK_TOKENS
 from kvtier.server_process import ServerProcess
 
 SOURCES = ("device", "host", "disk")
-BLOCK_TOKENS = 32
+BLOCK_TOKENS = ENGINE_BLOCK_TOKENS  # the engines' --block-size
 # float32: greedy answers then do not depend on how a prompt was split between
 # cached and computed tokens (bf16 rounding differs between batch shapes, and a
 # random tiny model has near-ties), so the answer check checks the bytes.

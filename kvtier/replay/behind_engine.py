@@ -83,12 +83,14 @@ from kvtier.replay.engine_schedule import (
     private_key,
 )
 from kvtier.replay.gpu_cache import GpuPrefixCache
-from kvtier.replay.serving_trace import DEFAULT_OUTPUT_CAP, NoPromptError, scaled
+from kvtier.replay.serving_trace import (
+    DEFAULT_OUTPUT_CAP,
+    ENGINE_BLOCK_TOKENS,
+    NoPromptError,
+    scaled,
+)
 from kvtier.replay.trace import TraceRequest
 from kvtier.request import RequestContext
-
-ENGINE_BLOCK_TOKENS = 32
-"""Tokens per engine block of the serving benchmark (``kvtier.bench.serving.BLOCK_TOKENS``)."""
 
 
 @dataclass(frozen=True, slots=True)

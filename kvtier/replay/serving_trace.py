@@ -25,6 +25,11 @@ from kvtier.replay.trace import (
     request_line,
 )
 
+ENGINE_BLOCK_TOKENS = 32
+"""Tokens per engine block of the engines kvtier's demos, benchmarks and
+behind-the-engine replays run: vLLM's CPU attention takes multiples of 32,
+and the smallest gives a prompt the most blocks."""
+
 DEFAULT_OUTPUT_CAP = 8
 
 
@@ -75,7 +80,7 @@ def missing_length_message(option: str, path: Path, exc: UnservableRequestError)
     return f"{option} needs each request's {exc.needs}; {located(exc, path)}"
 
 
-def scaled(requests: Iterable[TraceRequest], tokens_per_block: int = 32,
+def scaled(requests: Iterable[TraceRequest], tokens_per_block: int = ENGINE_BLOCK_TOKENS,
            output_cap: int = DEFAULT_OUTPUT_CAP,
            limit: int | None = None) -> Iterator[TraceRequest]:
     """``requests`` with one Mooncake block mapped to one engine block of
@@ -99,7 +104,8 @@ def scaled(requests: Iterable[TraceRequest], tokens_per_block: int = 32,
 
 
 def write_scaled(source: Path | None, out: Path, *, requests: int | None,
-                 tokens_per_block: int = 32, output_cap: int = DEFAULT_OUTPUT_CAP) -> int:
+                 tokens_per_block: int = ENGINE_BLOCK_TOKENS,
+                 output_cap: int = DEFAULT_OUTPUT_CAP) -> int:
     """Write the scaled ``source`` trace (default: the bundled one) to ``out``;
     ``MissingLengthError`` / ``NoPromptError`` naming the line of a request
     without an input length / without hash ids (vLLM's client would send it
@@ -121,7 +127,8 @@ def _with_prompts(requests: Iterable[TraceRequest]) -> Iterator[TraceRequest]:
 
 
 def write_generated(kind: str, seed: int, out: Path, *, requests: int,
-                    tokens_per_block: int = 32, output_cap: int = DEFAULT_OUTPUT_CAP) -> int:
+                    tokens_per_block: int = ENGINE_BLOCK_TOKENS,
+                 output_cap: int = DEFAULT_OUTPUT_CAP) -> int:
     """Write ``kvtier generate KIND`` traffic, scaled the same way, to ``out``."""
     return write_trace(scaled(generate(kind, seed, requests), tokens_per_block, output_cap),
                        out)
