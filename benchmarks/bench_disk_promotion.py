@@ -32,6 +32,10 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from bench_gil_handoff import intervals_us, quick_label, rotated
+
+from kvtier.tiers.gil_handoff import IO_SWITCH_INTERVAL_S
+
 if TYPE_CHECKING:
     from vllm import LLM
 
@@ -85,23 +89,36 @@ def settings(prompts: list[list[int]]) -> EngineSettings:
     return E.EngineSettings(max_model_len=longest, num_gpu_blocks=longest // 32 + 8)
 
 
+Handoffs = Callable[[], AbstractContextManager[None]]
+"""What the I/O threads run each job in (``kvtier.tiers.io_pool.quick_handoffs``)."""
+
+
+def handoff_modes(intervals: list[float], plain: bool) -> dict[str, Handoffs]:
+    """The modes to compare, by name: quick hand-offs at each interval
+    (microseconds), and with ``plain`` none."""
+    from kvtier.tiers.gil_handoff import quick_handoffs
+
+    modes: dict[str, Handoffs] = {
+        quick_label(us): functools.partial(quick_handoffs, us * 1e-6) for us in intervals}
+    if plain:
+        modes["plain"] = plain_handoffs
+    return modes
+
+
 def serve_from_disk(model: Path, disk: Path, prompts: list[list[int]],
-                    intervals_us: list[float]) -> dict[str, list[tuple[float, int, int]]]:
+                    wrappers: dict[str, Handoffs]) -> dict[str, list[tuple[float, int, int]]]:
     """Per mode: (seconds, tokens from kvtier, promotion timeouts) per request."""
     from kvtier.demo import engine as E
     from kvtier.tiers import io_pool
-    from kvtier.tiers.gil_handoff import quick_handoffs
 
-    wrappers: dict[str, Callable[[], AbstractContextManager[None]]] = {
-        f"quick {us:g} us": functools.partial(quick_handoffs, us * 1e-6) for us in intervals_us}
-    wrappers["plain"] = plain_handoffs
+    original = io_pool.quick_handoffs
     modes = list(wrappers)
     out: dict[str, list[tuple[float, int, int]]] = {m: [] for m in modes}
     config = E.kvtier_config(CPU_BYTES, disk_path=str(disk), disk_bytes=DISK_BYTES)
     with E.running_engine(model, config, settings(prompts)) as llm:
         cascade = E.kvtier_cascade(llm)
         for i, p in enumerate(prompts):
-            mode = modes[(i + i // len(modes)) % len(modes)]  # each round one place on
+            mode = rotated(modes, i // len(modes))[i % len(modes)]
             io_pool.quick_handoffs = wrappers[mode]  # type: ignore[assignment]
             before = cascade.stats()["promotion_timeouts"]
             start = time.perf_counter()
@@ -110,7 +127,7 @@ def serve_from_disk(model: Path, disk: Path, prompts: list[list[int]],
             settle(llm)  # late promotions land before the next request
             out[mode].append((took, gen.num_cached_tokens,
                               cascade.stats()["promotion_timeouts"] - before))
-        io_pool.quick_handoffs = quick_handoffs
+        io_pool.quick_handoffs = original
     return out
 
 
@@ -119,14 +136,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", type=int, default=8,
                     help="prompts in all (a multiple of the modes: as many per mode)")
     ap.add_argument("--tokens", type=int, default=960, help="tokens per prompt")
-    ap.add_argument("--intervals", default=None, metavar="US[,US...]",
+    ap.add_argument("--intervals", type=intervals_us, default=[IO_SWITCH_INTERVAL_S * 1e6],
+                    metavar="US[,US...]",
                     help="switch intervals of the quick modes, microseconds (default: "
                     "the I/O threads')")
     args = ap.parse_args(argv)
-    from kvtier.tiers.gil_handoff import IO_SWITCH_INTERVAL_S
-
-    intervals = [float(us) for us in (args.intervals or f"{IO_SWITCH_INTERVAL_S * 1e6:g}")
-                 .split(",")]
     from kvtier.demo.tiny_model import build_tiny_llama
 
     prompts = [prompt(i, args.tokens) for i in range(args.prompts)]
@@ -134,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         model = build_tiny_llama(Path(root) / "tiny-llama")
         disk = Path(root) / "disk"
         fill_disk(model, disk, prompts)
-        results = serve_from_disk(model, disk, prompts, intervals)
+        results = serve_from_disk(model, disk, prompts, handoff_modes(args.intervals, True))
     print(f"{args.prompts} prompts of {args.tokens} tokens, each served once from the disk "
           "tier by a second engine (tiny Llama, CPU)")
     print(f"{'hand-offs':14s} {'requests':>8s} {'median s':>9s} {'from kvtier':>12s} "

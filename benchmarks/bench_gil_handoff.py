@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
 import statistics
 import sys
@@ -36,13 +37,43 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 from kvtier import block_key
 from kvtier.tiers import DiskTier, RedisTier, Tier
 from kvtier.tiers.gil_handoff import IO_SWITCH_INTERVAL_S, quick_handoffs
 from kvtier.tiers.redis_server import RedisServer
 
+T = TypeVar("T")
+
 Read = Callable[[], object]
+
+
+def intervals_us(text: str) -> list[float]:
+    """``--intervals``: switch intervals in microseconds, each a finite number > 0
+    (``argparse`` type: a bad one is a usage error naming it)."""
+    values = []
+    for part in text.split(","):
+        try:
+            value = float(part)
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and value > 0):
+            raise argparse.ArgumentTypeError(
+                f"{part!r} is not a switch interval in microseconds (a number > 0)")
+        values.append(value)
+    return values
+
+
+def quick_label(us: float) -> str:
+    """A quick mode's name in the tables: ``quick 10 us``."""
+    return f"quick {us:g} us"
+
+
+def rotated(items: list[T], turn: int) -> list[T]:
+    """``items`` starting at ``turn`` (modulo their number): each round's order."""
+    k = turn % len(items)
+    return items[k:] + items[:k]
 
 
 class BusyThread:
@@ -86,17 +117,11 @@ def quick(read: Read, interval_s: float) -> Read:
     return quick_read
 
 
-def mode_read(mode: str, read: Read) -> Read:
-    """``read`` as ``mode`` runs it (``quick X us``: under quick hand-offs)."""
-    if mode.startswith("quick "):
-        return quick(read, float(mode.split()[1]) * 1e-6)
-    return read
-
-
-def one_read(mode: str, read: Read) -> float:
-    """Seconds of one read in ``mode``."""
+def one_read(mode: str, interval_s: float | None, read: Read) -> float:
+    """Seconds of one read in ``mode`` (under quick hand-offs at ``interval_s``
+    unless None)."""
     took: list[float] = []
-    run_read = mode_read(mode, read)
+    run_read = read if interval_s is None else quick(read, interval_s)
 
     def run() -> None:
         start = time.perf_counter()
@@ -112,10 +137,11 @@ def one_read(mode: str, read: Read) -> float:
     return took[0]
 
 
-def saturated(mode: str, read: Read, window_s: float) -> tuple[float, float]:
+def saturated(interval_s: float | None, read: Read, window_s: float) -> tuple[float, float]:
     """(reads per second, the busy thread's loop rate) with reads back to
-    back for ``window_s`` beside the busy thread."""
-    one = mode_read(mode, read)
+    back for ``window_s`` beside the busy thread (under quick hand-offs at
+    ``interval_s`` unless None)."""
+    one = read if interval_s is None else quick(read, interval_s)
     reads = 0
 
     def loop() -> None:
@@ -176,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--window", type=float, default=3.0,
                     help="seconds of back-to-back reads per busy mode")
-    ap.add_argument("--intervals", default=f"{IO_SWITCH_INTERVAL_S * 1e6:g}",
+    ap.add_argument("--intervals", type=intervals_us, default=[IO_SWITCH_INTERVAL_S * 1e6],
                     metavar="US[,US...]",
                     help="switch intervals of the quick modes, microseconds (default: "
                     "the I/O threads')")
@@ -184,7 +210,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="the tier read: disk, or a redis-server started for the run")
     ap.add_argument("--dir", default=None, help="directory of the disk tier (default: a temp dir)")
     args = ap.parse_args(argv)
-    modes = ["alone", "busy", *(f"quick {float(us):g} us" for us in args.intervals.split(","))]
+    # each mode's switch interval under quick hand-offs (None: CPython's own)
+    modes: dict[str, float | None] = {"alone": None, "busy": None}
+    modes.update({quick_label(us): us * 1e-6 for us in args.intervals})
     size = args.block_kib << 10
     took: dict[str, list[float]] = {m: [] for m in modes}
     load: dict[str, tuple[float, float]] = {}
@@ -197,17 +225,16 @@ def main(argv: list[str] | None = None) -> int:
             return tier.get_into(keys, buffers)
 
         for r in range(args.rounds):
-            turn = r % len(modes)
-            for mode in modes[turn:] + modes[:turn]:  # the order rotates
-                took[mode].append(one_read(mode, read))
-        for mode in modes[1:]:
+            for mode in rotated(list(modes), r):
+                took[mode].append(one_read(mode, modes[mode], read))
+        for mode in list(modes)[1:]:
             base_rate = alone_rate(args.window)
-            per_s, rate = saturated(mode, read, args.window)
+            per_s, rate = saturated(modes[mode], read, args.window)
             load[mode] = (per_s, rate / base_rate)
-    intervals = [sys.getswitchinterval(), *(float(m.split()[1]) * 1e-6 for m in modes[2:])]
+    intervals = [sys.getswitchinterval(), *(us * 1e-6 for us in args.intervals)]
     twos: dict[float, list[float]] = {x: [] for x in intervals}
-    for r in range(args.rounds):  # a third of the window each, the order rotating
-        for x in intervals[r % len(intervals):] + intervals[:r % len(intervals)]:
+    for r in range(args.rounds):  # a third of the window each
+        for x in rotated(intervals, r):
             twos[x].append(two_threads_rate(x, args.window / 3))
     print_results(args, took, load, twos)
     return 0

@@ -16,21 +16,25 @@ the blocks written.
 from __future__ import annotations
 
 import argparse
-import functools
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
-from contextlib import AbstractContextManager
 from pathlib import Path
 
-from bench_disk_promotion import CPU_BYTES, DISK_BYTES, plain_handoffs, prompt, settle
+from bench_disk_promotion import (
+    CPU_BYTES,
+    DISK_BYTES,
+    Handoffs,
+    handoff_modes,
+    prompt,
+    settle,
+)
+from bench_gil_handoff import intervals_us, rotated
 
 
 def batch_seconds(model: Path, disk: Path, args: argparse.Namespace,
-                  modes: dict[str, Callable[[], AbstractContextManager[None]]]
-                  ) -> tuple[dict[str, list[float]], int]:
+                  modes: dict[str, Handoffs]) -> tuple[dict[str, list[float]], int]:
     """Seconds per batch of each mode, and the blocks the cascade wrote."""
     from kvtier.demo import engine as E
     from kvtier.tiers import io_pool
@@ -45,7 +49,7 @@ def batch_seconds(model: Path, disk: Path, args: argparse.Namespace,
     with E.running_engine(model, config, settings) as llm:
         E.generate(llm, [prompt(10**6, args.tokens)], max_tokens=2)  # warm up
         for r in range(args.rounds):
-            mode = names[(r + r // len(names)) % len(names)]  # each round one place on
+            mode = rotated(names, r // len(names))[r % len(names)]
             io_pool.quick_handoffs = modes[mode]  # type: ignore[assignment]
             batch = [prompt(r * args.batch + i, args.tokens) for i in range(args.batch)]
             start = time.perf_counter()
@@ -63,18 +67,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=16, help="prompts per batch")
     ap.add_argument("--tokens", type=int, default=960, help="tokens per prompt")
     ap.add_argument("--max-tokens", type=int, default=32, help="output tokens per prompt")
-    ap.add_argument("--intervals", default="100,10", metavar="US[,US...]",
+    ap.add_argument("--intervals", type=intervals_us, default=[100.0, 10.0],
+                    metavar="US[,US...]",
                     help="switch intervals of the quick modes, microseconds")
     ap.add_argument("--plain", action="store_true", help="add a mode without quick hand-offs")
     args = ap.parse_args(argv)
     from kvtier.demo.tiny_model import build_tiny_llama
-    from kvtier.tiers.gil_handoff import quick_handoffs
 
-    modes: dict[str, Callable[[], AbstractContextManager[None]]] = {
-        f"quick {float(us):g} us": functools.partial(quick_handoffs, float(us) * 1e-6)
-        for us in args.intervals.split(",")}
-    if args.plain:
-        modes["plain"] = plain_handoffs
+    modes = handoff_modes(args.intervals, args.plain)
     with tempfile.TemporaryDirectory() as root:
         model = build_tiny_llama(Path(root) / "tiny-llama")
         seconds, written = batch_seconds(model, Path(root) / "disk", args, modes)

@@ -128,7 +128,7 @@ def _with_prompts(requests: Iterable[TraceRequest]) -> Iterator[TraceRequest]:
 
 def write_generated(kind: str, seed: int, out: Path, *, requests: int,
                     tokens_per_block: int = ENGINE_BLOCK_TOKENS,
-                 output_cap: int = DEFAULT_OUTPUT_CAP) -> int:
+                    output_cap: int = DEFAULT_OUTPUT_CAP) -> int:
     """Write ``kvtier generate KIND`` traffic, scaled the same way, to ``out``."""
     return write_trace(scaled(generate(kind, seed, requests), tokens_per_block, output_cap),
                        out)
