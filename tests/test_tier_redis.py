@@ -296,6 +296,38 @@ def test_server_killed_then_restarted(own_server: RedisServer) -> None:
     assert kinds.index("breaker_open") < kinds.index("breaker_closed")
 
 
+def test_the_availability_gauge_stays_at_0_until_a_probe_succeeds(
+        own_server: RedisServer, tmp_path: Path) -> None:
+    # Fault: ``vllm:kvtier_tier_available`` read ``tier.available``, which is
+    # True once the breaker has been open for reset_timeout_s (a call may go
+    # as the probe). While the engine only decoded (no new prompt, no tier
+    # call to probe with) each step's stats said 1 a second into the outage,
+    # with the server still down, and the alert on the gauge cleared.
+    from kvtier import OffloadManager
+    from kvtier.slots.region import SlotRegion
+    from kvtier.tiers.cascade import TierCascade
+
+    tier = make(own_server.url, failure_threshold=1, reset_timeout_s=0.05,
+                socket_timeout_s=0.5, connect_timeout_s=0.5)
+    with SlotRegion.create("gauge-breaker", 4, 4096, shm_dir=tmp_path) as region:
+        cascade = TierCascade(OffloadManager(4), region, [tier], own_tiers=False)
+        try:
+            assert cascade.tier_stats()["redis"]["available"] is True
+            own_server.stop(kill=True)
+            assert tier.contains([block_key(1)]) == [False]  # fails: the breaker opens
+            assert cascade.tier_stats()["redis"]["available"] is False
+            time.sleep(0.1)  # past reset_timeout_s, and no call since
+            assert tier.available  # the next call may probe...
+            assert not tier.serving  # ...but nothing says the server is back
+            assert cascade.tier_stats()["redis"]["available"] is False
+            own_server.start()
+            assert tier.contains([block_key(1)]) == [False]  # the probe succeeds
+            assert tier.serving and cascade.tier_stats()["redis"]["available"] is True
+        finally:
+            cascade.shutdown()
+            tier.close()
+
+
 def test_slow_server_times_out_and_recovers(own_server: RedisServer) -> None:
     tier = make(own_server.url, failure_threshold=2, reset_timeout_s=0.3,
                 socket_timeout_s=0.3)

@@ -225,7 +225,16 @@ class Tier(ABC):
 
     @property
     def available(self) -> bool:
+        """Whether a call may go now (a circuit breaker's probe included)."""
         return True
+
+    @property
+    def serving(self) -> bool:
+        """Whether the tier's calls last found it working: the
+        ``vllm:kvtier_tier_available`` gauge. Unlike ``available``, False from
+        a breaker's opening until a probe succeeds, also while no call comes to
+        probe (steps that only decode look nothing up). By default ``available``."""
+        return self.available
 
     def debug_state(self) -> dict[str, int]:
         """Entries of the tier's in-process structures (cheap: the length of

@@ -545,18 +545,19 @@ class TierCascade:
         return state
 
     def tier_stats(self) -> dict[str, dict[str, object]]:
-        """Each lower tier's ``stats()`` plus ``available`` and ``read_ms`` /
-        ``write_ms`` (milliseconds I/O threads spent in its reads and writes), by
-        tier name."""
+        """Each lower tier's ``stats()`` plus ``available`` (``Tier.serving``:
+        the gauge reads 0 from a breaker's opening until a probe succeeds) and
+        ``read_ms`` / ``write_ms`` (milliseconds I/O threads spent in its reads
+        and writes), by tier name."""
         out: dict[str, dict[str, object]] = {}
         for tier in self.tiers:
             try:
-                out[tier.name] = {**tier.stats(), "available": tier.available,
+                out[tier.name] = {**tier.stats(), "available": _is_serving(tier),
                                   "read_ms": int(self._busy["read"].get(tier.name, 0.0) * 1000),
                                   "write_ms": int(self._busy["write"].get(tier.name, 0.0) * 1000)}
             except Exception as exc:
                 self._warn.warning("kvtier cascade: %s stats failed: %s", tier.name, exc)
-                out[tier.name] = {"available": _is_available(tier)}  # the gauge stays current
+                out[tier.name] = {"available": _is_serving(tier)}  # the gauge stays current
         return out
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
@@ -615,10 +616,10 @@ class TierCascade:
             logger.warning("kvtier cascade: closing the slot region: %s", exc)
 
 
-def _is_available(tier: Tier) -> bool:
-    """``tier.available``; False when asking raises."""
+def _is_serving(tier: Tier) -> bool:
+    """``tier.serving``; False when asking raises."""
     try:
-        return bool(tier.available)
+        return bool(tier.serving)
     except Exception:
         return False
 

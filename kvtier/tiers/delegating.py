@@ -51,5 +51,10 @@ class DelegatingTier(Tier):
     def available(self) -> bool:
         return self.inner.available
 
+    @property
+    def serving(self) -> bool:
+        # a subclass that takes the tier away (``available`` False) does so here too
+        return self.available and self.inner.serving
+
     def close(self) -> None:
         self.inner.close()

@@ -385,6 +385,10 @@ class RankedTier(Tier):
     def available(self) -> bool:
         return all(t.available for t in self.ranks)
 
+    @property
+    def serving(self) -> bool:
+        return all(t.serving for t in self.ranks)
+
     def close(self) -> None:
         for tier in self.ranks:
             tier.close()

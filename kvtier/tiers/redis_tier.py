@@ -424,6 +424,10 @@ class RedisTier(Tier):
         return self._breaker.ready()
 
     @property
+    def serving(self) -> bool:
+        return self._breaker.state == "closed"
+
+    @property
     def breaker(self) -> CircuitBreaker:
         return self._breaker
 

@@ -136,7 +136,8 @@ def metric_definitions(extra_config: dict[str, Any] | None = None) -> dict[str, 
          for name, doc in PER_TIER_COUNTERS.items()}
     )
     defs[METRIC_PREFIX + "tier_available"] = OffloadingGaugeMetadata(
-        documentation="1 while the tier serves, 0 while its circuit breaker is open.",
+        documentation=("1 while the tier serves, 0 from its circuit breaker's opening until "
+                       "a probe succeeds (also while no call comes to probe)."),
         labelnames=TIER_LABELS)
     return defs
 
