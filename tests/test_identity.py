@@ -157,7 +157,7 @@ def test_a_cache_that_cannot_be_written_costs_a_read_not_an_error(tmp_path: Path
 def test_hub_cache_blobs_are_hashed_by_content_not_by_name(tmp_path: Path) -> None:
     """A Hugging Face cache snapshot links each file to blobs/<sha256>; the
     bytes are hashed, not the name (weights saved over the snapshot's path
-    write through the link and keep the name: tests/test_identity_review.py),
+    write through the link and keep the name: tests/test_identity_changes.py),
     so the same bytes under another blob name keep the identity."""
     blobs = tmp_path / "hub" / "blobs"
     blobs.mkdir(parents=True)

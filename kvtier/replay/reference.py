@@ -11,7 +11,7 @@ requests only, and not at all when that cannot make room for them (the
 manager refuses such an offer whole); then its blocks are used head to tail,
 so its head ends most recent. ``LRUCache`` equals ``kvtier replay --policy
 lru`` block for block on traces whose requests do not repeat a hash id
-(tests/test_foresight.py and tests/test_replay_review.py check it).
+(tests/test_foresight.py and tests/test_replay_models.py check it).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Bounded-memory review: state a failed call must not leave behind."""
+"""The disk tier after a failed put: no reservation left behind (bounded memory
+and capacity)."""
 
 from __future__ import annotations
 

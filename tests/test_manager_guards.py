@@ -1,4 +1,4 @@
-"""Faults found reviewing the scheduler-side core (manager, leases, policies):
+"""The scheduler-side core (manager, leases, policies) against misuse and broken contracts:
 each test failed on the code before its fix."""
 
 from __future__ import annotations

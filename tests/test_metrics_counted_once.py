@@ -1,4 +1,4 @@
-"""Review of kvtier's metrics and events as vLLM 0.32 reads them: the
+"""kvtier's metrics and events as vLLM 0.32 reads them: the
 adapter's stats objects (``OffloadingConnectorStats``) step after step, the
 way vLLM's scheduler asks for blocks, real redis-server and disk tiers; no
 engine is started."""

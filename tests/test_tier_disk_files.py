@@ -1,7 +1,7 @@
-"""Faults of the disk and ranked tiers left from the last review, on real
-files: block files of other names, shards of another length, a failed
-rescan, a read dropping the shards of a block a put is writing, writer
-threads sharing the free-space reserve, directories others may write."""
+"""The disk and ranked tiers on real files: block files of other names,
+shards of another length, a failed rescan, a read dropping the shards of a
+block a put is writing, writer threads sharing the free-space reserve,
+directories others may write."""
 
 from __future__ import annotations
 

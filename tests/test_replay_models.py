@@ -1,5 +1,5 @@
-"""Review of the replay lab (kvtier.replay): figures checked against small
-independent models, and the faults the review found, each with the test that
+"""The replay lab (kvtier.replay): figures checked against small
+independent models, and faults found in it, each with the test that
 showed it."""
 
 from __future__ import annotations

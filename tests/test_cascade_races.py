@@ -1,4 +1,4 @@
-"""Concurrency review: races between the cascade's I/O threads and the state
+"""Races between the cascade's I/O threads and the state
 they share (tiers, breakers), each test failing on the code before its fix."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Security review: what another user of the host can do to kvtier through the
+"""What another user of the host can do to kvtier through the
 files and directories it shares with them (``/dev/shm``, ``/tmp``, a cache
 directory made under umask 0). Real files, FIFOs, symlinks and, where the
 test runs as root, files of another uid.

@@ -133,7 +133,7 @@ _LOG_THROUGH_VLLM = textwrap.dedent("""
 
     configure_logging(LoggingConfig())  # what vLLM's engine process does first
     from pathlib import Path
-    from test_newuser_review import _spec
+    from test_first_use import _spec
 
     _spec({"cpu_bytes_to_use": 64 * 32768}, Path(sys.argv[2])).get_manager().shutdown()
 """)

@@ -1,4 +1,4 @@
-"""Faults of the Redis tier left over from its review, against real redis-server
+"""The Redis tier's corrupt values and breaker verdicts, against real redis-server
 processes (loopback only). Each test names the fault it guards against and
 fails on the code before its fix."""
 

@@ -1,4 +1,4 @@
-"""Review of the operator tools (``kvtier disk ...``) and the long-running tools
+"""The operator tools (``kvtier disk ...``) and the long-running tools
 (soak, foresight, the serving benchmark's summary): faults found, each shown by
 a test that failed on the code before its fix (see each test's comment)."""
 

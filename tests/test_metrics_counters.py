@@ -1,4 +1,4 @@
-"""kvtier's metrics as vLLM 0.32 reads them, the faults the last review left:
+"""kvtier's metrics as vLLM 0.32 reads them, counters and their totals:
 vLLM's own stores-skipped metric, the adaptive policy's switch counter across
 a cache reset, promotions the I/O pool refused, the hit source of a promotion
 whose tier was forgotten, and counters that were kept but never exported.

@@ -1,4 +1,4 @@
-"""Review of the Redis tier and what guards it, against real redis-server processes
+"""The Redis tier's close, TLS errors and existence probes, against real redis-server processes
 (loopback only). Each test names the fault it guards against."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Faults found reviewing the benchmark and drill harness (``kvtier.bench``).
+"""The benchmark and drill harness (``kvtier.bench``): faults in what it reported.
 
 Each test names what a reported figure or verdict got wrong. No server, engine
 or redis-server starts here: the harness's pure parts are fed small

@@ -1,4 +1,4 @@
-"""Faults of the operator and benchmark tools left by an earlier review: each
+"""The operator and benchmark tools' reports: each
 test names what a reported figure got wrong, and failed on the code before its
 fix. The Redis tests run a real redis-server; the drill load runs against a
 small real HTTP server that answers as vLLM's completions endpoint does."""

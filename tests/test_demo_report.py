@@ -1,4 +1,4 @@
-"""Review of ``kvtier demo``: claims of its report that held without being true.
+"""``kvtier demo``'s report: claims of its report that held without being true.
 
 Unit-level (hand-made runs, no engine) except the last test, the tiered demo's
 negative control, which runs two real servers.

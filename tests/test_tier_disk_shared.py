@@ -1,4 +1,4 @@
-"""Review of the disk tier and the ranked tier, on real files and real processes:
+"""The disk tier and the ranked tier, on real files and real processes:
 another user's directories, clocks set back, space freed by another engine,
 empty files after a crash, writers sharing a pid, kills mid-write, shards."""
 

@@ -1,4 +1,4 @@
-"""Model identity review: changes that alter the KV an engine computes (or what
+"""Model identity: changes that alter the KV an engine computes (or what
 kvtier believes the weights are) without changing the identity.
 
 Each test failed on the code before its fix; the comments say how.

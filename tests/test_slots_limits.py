@@ -1,4 +1,4 @@
-"""Review of the slot region and the CPU transfer path: byte paths under bad
+"""The slot region and the CPU transfer path: byte paths under bad
 input, shutdown, space and memory limits."""
 
 from __future__ import annotations

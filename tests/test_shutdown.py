@@ -1,4 +1,4 @@
-"""Lifecycle review: kvtier's shutdown with a dead or stopped Redis, parts
+"""kvtier's shutdown with a dead or stopped Redis, parts
 dropped without shutdown, regions closed under running copies, repeated
 shutdowns. Real parts throughout: a real redis-server (stopped with
 SIGSTOP), real files, a real slot region and real threads; a delegating
