@@ -191,6 +191,20 @@ def test_block_removed_by_someone_else_is_a_miss(tmp_path: Path) -> None:
     assert [(e.kind, e.detail) for e in tier.take_events()] == [("removed", "gone")]
 
 
+def test_a_read_that_fails_is_a_miss_counted_as_an_error(tmp_path: Path) -> None:
+    # what the KvtierTierErrors alert (docs/prometheus-kvtier-alerts.yaml) reads:
+    # a disk tier has no breaker, so failed reads show only in ``errors``
+    tier = make(tmp_path)
+    tier.put([(block_key(1), payload(1))])
+    path = tier.dir.file(block_key(1))
+    os.unlink(path)
+    os.mkdir(path)  # opens, and every read of it fails (EISDIR)
+    for _ in range(2):
+        assert tier.get([block_key(1)]) == [None]
+    s = tier.stats()
+    assert s["errors"] == 2 and s["corrupt"] == 0 and tier.serving
+
+
 def test_leftover_temp_files_are_ignored_and_cleaned(tmp_path: Path) -> None:
     tier = make(tmp_path)
     tier.put([(block_key(1), payload(1))])
