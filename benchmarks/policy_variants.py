@@ -7,8 +7,9 @@ with its shadows off: a history length with or without admission, and
 optionally the window share or the LFU share pinned, or admission that needs
 two earlier uses. ``STARTS`` are ``AdaptivePolicy`` with its shadows on that
 begin otherwise: with admission on, or taking the best shadow's
-configuration without hysteresis once the cache is first full
-(docs/policy.md, "How it starts").
+configuration without hysteresis once the cache is first full, or
+deciding first from shadows sampled at a higher rate (docs/policy.md, "How
+it starts").
 
     PYTHONPATH=benchmarks kvtier replay --capacity 4000 \\
         --policy lru,default,policy_variants:Admit8,policy_variants:Window1 TRACE
@@ -16,9 +17,10 @@ configuration without hysteresis once the cache is first full
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import zlib
+from collections.abc import Container, Sequence
 
-from kvtier.policies.adaptive import AdaptivePolicy
+from kvtier.policies.adaptive import AdaptivePolicy, _Shadow
 
 
 class _Fixed(AdaptivePolicy):
@@ -164,5 +166,66 @@ class FirstFree(AdaptivePolicy):
             del self.Z
 
 
-STARTS = (StartAdmit, FirstFree)
+class WarmStart(AdaptivePolicy):
+    """The default policy whose first ``WARM_EPOCHS`` decisions are made by a
+    second set of shadows sampled at ``WARM_FACTOR`` times the rate (more
+    evidence per epoch: a lead grows with the rate, its noise with its square
+    root), then dropped; the regular shadows score from the start and decide
+    after them. Memory: besides the default's, ``len(CANDIDATES)`` shadows of
+    ``WARM_FACTOR`` times the size until the warm-up ends, none after."""
+
+    name = "warm-start"
+    WARM_FACTOR = 8
+    WARM_EPOCHS = 16
+
+    def _init_adaptive(self) -> None:
+        super()._init_adaptive()
+        rate = min(1.0, self.rate * self.WARM_FACTOR)
+        self._warm_threshold = int(rate * (1 << 32))
+        self._warm_capacity = max(self.MIN_SHADOW, round(self.capacity * rate))
+        self.warm = [_Shadow(self._warm_capacity, f, admission)
+                     for f, admission in self.CANDIDATES]
+        self._warm_sampled = self._warm_epochs = 0
+
+    def on_demand_access(self, keys: Sequence[bytes], reused: Container[bytes],
+                         asked_from: int) -> None:
+        super().on_demand_access(keys, reused, asked_from)
+        if not self.warm:
+            return
+        crc, threshold = zlib.crc32, self._warm_threshold
+        served = [k for k in keys[:asked_from] if crc(k) < threshold]
+        sampled = served + [k for k in keys[asked_from:] if crc(k) < threshold]
+        if not sampled:
+            return
+        self._feed(self.warm, sampled, len(served))
+        self._warm_sampled += len(sampled)
+        if self._warm_sampled >= self._warm_capacity:
+            self._warm_sampled = 0
+            self._end_epoch(self.warm)
+            self._follow_best(self.warm)
+            self._warm_epochs += 1
+            if self._warm_epochs >= self.WARM_EPOCHS:
+                self.warm = []
+                for s in self.shadows:
+                    s.spread = 0.0
+
+    def _decide(self) -> None:
+        if not self.warm:
+            super()._decide()
+            return
+        self._sampled = 0
+        self._end_epoch(self.shadows)  # scores from the start, no decision yet
+
+    def _switch(self, index: int) -> None:
+        super()._switch(index)
+        for s in getattr(self, "warm", ()):
+            s.spread = 0.0
+
+
+class WarmStart4(WarmStart):
+    name = "warm-start4"
+    WARM_FACTOR = 4
+
+
+STARTS = (StartAdmit, FirstFree, WarmStart, WarmStart4)
 """The variants of how the default begins: ``policy_variants:NAME`` each."""

@@ -232,7 +232,7 @@ def test_a_variant_replays_by_module_path(monkeypatch: pytest.MonkeyPatch) -> No
     assert one.stores_skipped > 0 and two.stores < one.stores
 
 
-@pytest.mark.parametrize("index", range(2))
+@pytest.mark.parametrize("index", range(4))
 def test_each_start_variant_keeps_the_contract(index: int) -> None:
     pol = _load("policy_variants").STARTS[index](24)
     exercise(pol, random_ops(random.Random(index), 600), random.Random(index))
@@ -265,6 +265,26 @@ def test_start_variants_begin_as_they_say() -> None:
         s.hits, s.spread = (1, 100.0) if i == best else (0, 100.0)
     control._decide()
     assert control.configuration() == (8, False)
+
+
+def test_the_warm_start_decides_from_its_denser_shadows_then_drops_them() -> None:
+    variants = _load("policy_variants")
+    pol = variants.WarmStart(1024)
+    assert len(pol.warm) == len(pol.shadows) and pol._warm_capacity > 4 * pol._shadow_capacity
+    for s in pol.shadows:  # a clear lead for admission among the regular shadows...
+        s.hits, s.spread = (100, 1.0) if s.admission else (0, 1.0)
+    pol._decide()
+    assert pol.configuration() == (8, False)  # ...which score, but do not decide yet
+    assert max(s.score for s in pol.shadows) == 100
+    rng = random.Random(3)
+    heads = [[block_key(h * 1000 + i) for i in range(8)] for h in range(400)]
+    epochs = 0
+    for _ in range(20_000):
+        pol.on_access(rng.choice(heads), ())
+        if not pol.warm:
+            break
+        epochs = pol._warm_epochs
+    assert not pol.warm and epochs == pol.WARM_EPOCHS - 1  # the last epoch dropped them
 
 
 def test_reference_admission_rules_decline_what_they_say() -> None:

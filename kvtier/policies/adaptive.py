@@ -274,17 +274,21 @@ class AdaptivePolicy(PLFUPolicy):
         else:
             sampled = self.sampled(keys)
         if sampled:
-            shadows = self.shadows
-            for s in shadows:
-                s.access(sampled, asked_from)
-            mine = shadows[self._active].last
-            for s in shadows:
-                d = s.last - mine
-                if d:
-                    s.spread += d * d
+            self._feed(self.shadows, sampled, asked_from)
             self._sampled += len(sampled)
             if self._sampled >= self._shadow_capacity:
                 self._decide()
+
+    def _feed(self, shadows: list[_Shadow], sampled: list[bytes], asked_from: int) -> None:
+        """One request's sampled keys to ``shadows``; each adds its squared
+        difference of hits to the active configuration's shadow."""
+        for s in shadows:
+            s.access(sampled, asked_from)
+        mine = shadows[self._active].last
+        for s in shadows:
+            d = s.last - mine
+            if d:
+                s.spread += d * d
 
     def sampled(self, keys: Sequence[bytes]) -> list[bytes]:
         """The keys of ``keys`` the shadows see (CRC-32 below the sampling threshold)."""
@@ -294,12 +298,19 @@ class AdaptivePolicy(PLFUPolicy):
     def _decide(self) -> None:
         """End of an epoch: update the scores, follow the best shadow."""
         self._sampled = 0
+        self._end_epoch(self.shadows)
+        self._follow_best(self.shadows)
+
+    def _end_epoch(self, shadows: list[_Shadow]) -> None:
+        """Fold each shadow's hits of the epoch into its decayed score."""
         decay = self.DECAY
-        shadows = self.shadows
         for s in shadows:
             s.score = s.score * decay + s.hits
             s.spread *= decay
             s.hits = 0
+
+    def _follow_best(self, shadows: list[_Shadow]) -> None:
+        """Switch to the best of ``shadows`` if it leads the active one beyond noise."""
         active = shadows[self._active]
         best = max(range(len(shadows)), key=lambda i: shadows[i].score)
         if best == self._active:
