@@ -218,7 +218,7 @@ class WarmStart(AdaptivePolicy):
 
     def _switch(self, index: int) -> None:
         super()._switch(index)
-        for s in getattr(self, "warm", ()):
+        for s in self.warm:
             s.spread = 0.0
 
 

@@ -39,19 +39,12 @@ def make(path: Path, capacity: int = 64 << 20, ns: str = NS, **kw: Any) -> DiskT
 
 
 def ranked(path: Path, ranks: int = 2) -> tuple[RankedTier, list[DiskTier]]:
-    tiers = [make(path, ns=KVLayout("leftover-model", "bfloat16", 16, 2, 2, 64,
-                                    tp_rank=r, tp_size=ranks).namespace())
-             for r in range(ranks)]
-    return RankedTier(tiers), tiers
+    return disk_blocks.ranked_disks(make, path, "leftover-model", ranks)
 
 
 @pytest.fixture
 def regions(tmp_path: Path) -> Iterator[RankRegions]:
-    made = [SlotRegion.create(f"disk-leftover-{r}", 4, SIZE, shm_dir=tmp_path)
-            for r in range(2)]
-    yield RankRegions(made)
-    for region in made:
-        region.close()
+    yield from disk_blocks.rank_regions(tmp_path, "disk-leftover")
 
 
 def fill(slot_parts: list[np.ndarray], seed: int) -> None:

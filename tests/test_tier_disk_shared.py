@@ -21,7 +21,6 @@ from helpers.disk_blocks import ROOT_ONLY, SIZE, payload
 from test_tier_disk import hang_stats_under
 
 from kvtier import block_key
-from kvtier.slots import SlotRegion
 from kvtier.tiers import DiskTier, KVLayout, TierConfigError, blockfile
 from kvtier.tiers.disk_dir import ALLOC_UNIT, LAYOUT_DIR, allocated, check_tier_path
 from kvtier.tiers.ranks import RankedTier, RankRegions
@@ -248,18 +247,12 @@ def test_two_processes_storing_reading_and_evicting_the_same_keys(tmp_path: Path
 
 
 def _ranked(tmp_path: Path, ranks: int = 2) -> tuple[RankedTier, list[DiskTier]]:
-    tiers = [make(tmp_path, ns=KVLayout("review-model", "bfloat16", 16, 2, 2, 64,
-                                       tp_rank=r, tp_size=ranks).namespace())
-             for r in range(ranks)]
-    return RankedTier(tiers), tiers
+    return disk_blocks.ranked_disks(make, tmp_path, "review-model", ranks)
 
 
 @pytest.fixture
 def regions(tmp_path: Path) -> Iterator[RankRegions]:
-    made = [SlotRegion.create(f"disk-review-{r}", 4, SIZE, shm_dir=tmp_path) for r in range(2)]
-    yield RankRegions(made)
-    for region in made:
-        region.close()
+    yield from disk_blocks.rank_regions(tmp_path, "disk-review")
 
 
 def test_a_shard_of_another_length_fails_the_block(tmp_path: Path, regions: RankRegions) -> None:
