@@ -207,6 +207,55 @@ def test_a_lead_counts_one_hit_less(hits: int, switches: int) -> None:
     assert decide(_NoCorrection) == 1
 
 
+def chat_hit_ratios(seed: int, requests: int, capacity: int,
+                    control: str) -> tuple[float, float, float]:
+    """Hit ratios of LRU, the default and this module's ``control`` policy on
+    generated chat (``seed``, ``requests``) at ``capacity`` blocks."""
+    keys = trace_keys(generate("chat", seed, requests))
+    return (replay(keys, capacity, "lru").hit_ratio,
+            replay(keys, capacity, "default").hit_ratio,
+            replay(keys, capacity, f"test_policy_adaptive:{control}").hit_ratio)
+
+
+class _NoReturn(AdaptivePolicy):
+    """The switch without the return to START (the negative control)."""
+
+    def _follow_best(self, shadows: list[_Shadow]) -> None:
+        active = shadows[self._active]
+        best = max(range(len(shadows)), key=lambda i: shadows[i].score)
+        lead = shadows[best].score - active.score - 1.0
+        if best != self._active and lead > 0 and lead * lead > self.Z**2 * shadows[best].spread:
+            self._switch(best)
+
+
+@pytest.mark.parametrize("start_hits, back", [(9, False), (10, True)])
+def test_returns_to_start_once_its_shadow_scores_as_well(start_hits: int, back: bool) -> None:
+    # A lead beyond noise switches admission on; an epoch later the start's
+    # shadow scores as well as the leader (10 against 10 * DECAY) but no
+    # better by more than noise: the default returns, the control stays.
+    def run(cls: type[AdaptivePolicy]) -> tuple[tuple[int, bool], int]:
+        pol = cls(16_000)
+        leader = pol.shadows[1]
+        start = pol.shadows[pol.CANDIDATES.index(pol.START)]
+        leader.hits, leader.spread = 10, 5.8 / pol.DECAY
+        pol._decide()
+        assert pol.configuration() == (leader.history_factor, True)
+        start.hits, start.spread = start_hits, 50.0
+        pol._decide()
+        return pol.configuration(), pol.switches
+
+    assert run(AdaptivePolicy) == ((AdaptivePolicy.START, 2) if back else ((4, True), 1))
+    assert run(_NoReturn) == ((4, True), 1)
+
+
+def test_a_chance_lead_does_not_hold_chat_below_lru_in_a_small_cache() -> None:
+    # Generated chat (seed 41) at 500 blocks, where the shadows hold 16 blocks:
+    # admission came on by chance and, without the return, stayed (0.946 x LRU)
+    lru, default, control = chat_hit_ratios(41, 10_000, 500, "_NoReturn")
+    assert default >= 0.98 * lru
+    assert control < 0.96 * lru
+
+
 def test_manager_with_adaptive_pins_leases_failures_and_declines() -> None:
     mgr = OffloadManager(16, policy="adaptive", max_leases_per_request=16,
                          max_leased_blocks=16)
@@ -428,9 +477,6 @@ def test_turns_keep_a_chat_at_lru_where_the_window_lost_it() -> None:
     # Generated chat (seed 21, the seed that showed the loss): without turns
     # the last turn's new blocks wait in the window and are gone when the
     # conversation comes back; the default then fell below 0.98 x LRU.
-    requests = trace_keys(generate("chat", 21, 3000))
-    lru = replay(requests, 1000, "lru").hit_ratio
-    default = replay(requests, 1000, "default").hit_ratio
-    control = replay(requests, 1000, "test_policy_adaptive:_NoTurns").hit_ratio
+    lru, default, control = chat_hit_ratios(21, 3000, 1000, "_NoTurns")
     assert default >= 0.98 * lru
     assert control < default - 0.005

@@ -255,8 +255,10 @@ def test_start_variants_begin_as_they_say() -> None:
     pol._decide()  # the first decision once full follows the lead, noise or not
     assert pol.configuration() == (shadows[best].history_factor, True)
     assert pol.Z == type(pol).Z == 1.5  # the class's hysteresis is back
-    for i, s in enumerate(shadows):  # later: a lead inside the noise for PLFU's
-        s.hits, s.spread = (6, 100.0) if i == 0 else (0, 100.0)
+    # later: a lead inside the noise for another configuration, the active one
+    # still ahead of the start's (which would take the cache back to it)
+    for i, s in enumerate(shadows):
+        s.hits, s.spread = {1: (6, 100.0), best: (1, 100.0)}.get(i, (0, 100.0))
     pol._decide()
     assert pol.configuration() == (shadows[best].history_factor, True)  # held
     control = AdaptivePolicy(64)  # the default: the same full cache and one-hit lead
