@@ -231,8 +231,9 @@ class _NoReturn(AdaptivePolicy):
 @pytest.mark.parametrize("start_hits, back", [(9, False), (10, True)])
 def test_returns_to_start_once_its_shadow_scores_as_well(start_hits: int, back: bool) -> None:
     # A lead beyond noise switches admission on; an epoch later the start's
-    # shadow scores as well as the leader (10 against 10 * DECAY) but no
-    # better by more than noise: the default returns, the control stays.
+    # shadow scores as well as the leader (10 against 10 * DECAY), though not
+    # better by more than noise: the default returns, the control stays; at 9
+    # the start's shadow is still behind and both stay.
     def run(cls: type[AdaptivePolicy]) -> tuple[tuple[int, bool], int]:
         pol = cls(16_000)
         leader = pol.shadows[1]
