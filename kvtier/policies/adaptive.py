@@ -321,10 +321,9 @@ class AdaptivePolicy(PLFUPolicy):
     def _follow_best(self, shadows: list[_Shadow]) -> None:
         """Switch to the best of ``shadows`` if it leads the active one beyond
         noise; return to ``START`` once the active one no longer leads START's."""
-        active = shadows[self._active]
-        if self._active != self._start and active.score <= shadows[self._start].score:
-            self._switch(self._start)
+        if self._back_to_start(shadows):
             return
+        active = shadows[self._active]
         best = max(range(len(shadows)), key=lambda i: shadows[i].score)
         if best == self._active:
             return
@@ -332,6 +331,15 @@ class AdaptivePolicy(PLFUPolicy):
         lead = s.score - active.score - 1.0  # less one hit: Z's docstring
         if lead > 0 and lead * lead > self.Z * self.Z * s.spread:
             self._switch(best)
+
+    def _back_to_start(self, shadows: list[_Shadow]) -> bool:
+        """Take ``START``'s configuration if the active one's shadow no longer
+        scores above START's; whether it did (``START``'s docstring)."""
+        if self._active == self._start or (
+                shadows[self._active].score > shadows[self._start].score):
+            return False
+        self._switch(self._start)
+        return True
 
     def _switch(self, index: int) -> None:
         """Take shadow ``index``'s configuration; differences restart from it."""
