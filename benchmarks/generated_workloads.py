@@ -14,7 +14,14 @@ below the better of LRU and ARC. Seeds the policy was never looked at under
 
     python benchmarks/generated_workloads.py [--kinds chat,rag,...] [--seeds 1,2,3]
         [--capacity 1000,4000,16000] [--policies default] [--requests 10000]
-        [--floor 0.98] [--large 16000] [--json] [--check]
+        [--key-seeds 0] [--floor 0.98] [--large 16000] [--json] [--check]
+
+``--key-seeds 0,1,2,3`` replays each workload also under other block hashes
+(``kvtier replay --key-seed``; 0 is the workload as generated): the
+default's shadows sample blocks by hash, so each replay is one draw of that
+sample (docs/policy.md, "One replay is one draw"). The table then also gives,
+per (kind, capacity, policy), the median over every seed and key seed and
+how many of those draws miss.
 
 ``--check`` exits with status 1 when any cell misses.
 """
@@ -23,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from dataclasses import asdict, dataclass
 
@@ -31,6 +39,7 @@ from kvtier.policies import policy_class
 from kvtier.progress import make_progress
 from kvtier.replay.driver import replay, trace_keys
 from kvtier.replay.generate import KINDS, generate
+from kvtier.replay.rekey import rekeyed
 
 BASELINES = ("lru", "arc")
 LARGE_SLACK = 0.01
@@ -48,6 +57,7 @@ class Cell:
     hit_ratio: float
     lru: float
     arc: float
+    key_seed: int = 0
 
     @property
     def vs_lru(self) -> float:
@@ -65,23 +75,27 @@ class Cell:
 
 
 def measure(kinds: list[str], seeds: list[int], capacities: list[int], policies: list[str],
-            requests: int) -> list[Cell]:
-    """Every (kind, seed, capacity, policy) cell, baselines replayed once per workload."""
+            requests: int, key_seeds: tuple[int, ...] = (0,)) -> list[Cell]:
+    """Every (kind, seed, key seed, capacity, policy) cell, baselines replayed
+    once per workload and key seed."""
     runs = [*BASELINES, *(p for p in policies if p not in BASELINES)]
     cells: list[Cell] = []
-    bar = make_progress(len(kinds) * len(seeds) * len(capacities) * len(runs), True, unit="run")
+    bar = make_progress(len(kinds) * len(seeds) * len(key_seeds) * len(capacities) * len(runs),
+                        True, unit="run")
     try:
         for kind in kinds:
             for seed in seeds:
-                keys = trace_keys(generate(kind, seed, requests))
-                for capacity in capacities:
-                    ratios: dict[str, float] = {}
-                    for policy in runs:
-                        bar.describe(f"{kind}-{seed}: {policy} @ {capacity}")
-                        ratios[policy] = replay(keys, capacity, policy).hit_ratio
-                        bar.update(1)
-                    cells += [Cell(kind, seed, capacity, p, ratios[p], ratios["lru"],
-                                   ratios["arc"]) for p in policies]
+                workload = generate(kind, seed, requests)
+                for key_seed in key_seeds:
+                    keys = trace_keys(rekeyed(workload, key_seed) if key_seed else workload)
+                    for capacity in capacities:
+                        ratios: dict[str, float] = {}
+                        for policy in runs:
+                            bar.describe(f"{kind}-{seed}/{key_seed}: {policy} @ {capacity}")
+                            ratios[policy] = replay(keys, capacity, policy).hit_ratio
+                            bar.update(1)
+                        cells += [Cell(kind, seed, capacity, p, ratios[p], ratios["lru"],
+                                       ratios["arc"], key_seed) for p in policies]
     finally:
         bar.close()
     return cells
@@ -95,6 +109,15 @@ def worst(cells: list[Cell]) -> list[Cell]:
         if key not in out or cell.vs_lru < out[key].vs_lru:
             out[key] = cell
     return list(out.values())
+
+
+def draws(cells: list[Cell], cell: Cell, floor: float, large: int) -> tuple[float, int, int]:
+    """Over every seed and key seed of ``cell``'s (kind, capacity, policy): the
+    median ratio to LRU, the draws that miss, and the draws."""
+    same = [c for c in cells if (c.kind, c.capacity, c.policy)
+            == (cell.kind, cell.capacity, cell.policy)]
+    return (statistics.median(c.vs_lru for c in same),
+            sum(c.missed(floor, large) for c in same), len(same))
 
 
 def _kinds(text: str) -> list[str]:
@@ -118,12 +141,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--capacity", type=int_list, default=[1000, 4000, 16000])
     ap.add_argument("--policies", type=_policies, default=["default"])
     ap.add_argument("--requests", type=positive_int, default=10_000)
+    ap.add_argument("--key-seeds", type=seed_list, default=[0])
     ap.add_argument("--floor", type=float, default=0.98)
     ap.add_argument("--large", type=positive_int, default=16_000)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--check", action="store_true")
     args = ap.parse_args(argv)
-    cells = measure(args.kinds, args.seeds, args.capacity, args.policies, args.requests)
+    cells = measure(args.kinds, args.seeds, args.capacity, args.policies, args.requests,
+                    tuple(args.key_seeds))
     misses = [c for c in cells if c.missed(args.floor, args.large)]
     if args.json:
         rows = [{**asdict(c), "vs_lru": c.vs_lru, "margin": c.margin,
@@ -131,18 +156,30 @@ def main(argv: list[str] | None = None) -> int:
         json.dump(rows, sys.stdout, indent=1)
         print()
     else:
-        print(f"worst of seeds {','.join(map(str, args.seeds))} "
-              f"({args.requests} requests each); a miss: below {args.floor} x LRU, "
-              f"or from {args.large} blocks more than {LARGE_SLACK} below max(LRU, ARC)")
-        print(f"{'kind':9s} {'capacity':>8s} {'policy':10s} {'x LRU':>6s} {'seed':>5s} "
-              f"{'margin':>8s}")
-        for c in worst(cells):
-            print(f"{c.kind:9s} {c.capacity:8d} {c.policy:10s} {c.vs_lru:6.3f} {c.seed:5d} "
-                  f"{c.margin:+8.4f}")
-        print(f"{len(misses)} of {len(cells)} cells missed"
-              + "".join(f"\n  {c.kind}-{c.seed} @ {c.capacity} {c.policy}: "
-                        f"{c.vs_lru:.3f} x LRU, {c.margin:+.4f}" for c in misses))
+        print_table(cells, misses, args)
     return 1 if args.check and misses else 0
+
+
+def print_table(cells: list[Cell], misses: list[Cell], args: argparse.Namespace) -> None:
+    """The worst draw of each (kind, capacity, policy), then every miss."""
+    several = len(args.key_seeds) > 1
+    print(f"worst of seeds {','.join(map(str, args.seeds))}"
+          + (f" x key seeds {','.join(map(str, args.key_seeds))}" if several else "")
+          + f" ({args.requests} requests each); a miss: below {args.floor} x LRU, "
+          f"or from {args.large} blocks more than {LARGE_SLACK} below max(LRU, ARC)")
+    print(f"{'kind':9s} {'capacity':>8s} {'policy':10s} {'x LRU':>6s} {'seed':>5s} "
+          f"{'margin':>8s}" + (f" {'key':>4s} {'median':>6s} {'missed':>7s}" if several else ""))
+    for c in worst(cells):
+        line = (f"{c.kind:9s} {c.capacity:8d} {c.policy:10s} {c.vs_lru:6.3f} {c.seed:5d} "
+                f"{c.margin:+8.4f}")
+        if several:
+            median, missed, n = draws(cells, c, args.floor, args.large)
+            line += f" {c.key_seed:4d} {median:6.3f} {f'{missed}/{n}':>7s}"
+        print(line)
+    print(f"{len(misses)} of {len(cells)} cells missed"
+          + "".join(f"\n  {c.kind}-{c.seed}" + (f" key seed {c.key_seed}" if several else "")
+                    + f" @ {c.capacity} {c.policy}: {c.vs_lru:.3f} x LRU, {c.margin:+.4f}"
+                    for c in misses))
 
 
 if __name__ == "__main__":

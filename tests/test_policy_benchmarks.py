@@ -22,6 +22,7 @@ from kvtier import block_key
 from kvtier.policies.adaptive import AdaptivePolicy
 from kvtier.replay.driver import replay, trace_keys
 from kvtier.replay.generate import generate, write_trace
+from kvtier.replay.rekey import rekeyed
 from kvtier.replay.trace import TraceRequest, load_trace
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -136,6 +137,28 @@ def test_generated_workloads_reports_each_seed_and_flags_misses(
         rows_of.main(["--kinds", "chat,nope"])
     with pytest.raises(SystemExit):
         rows_of.main(["--policies", "no-such-policy"])
+
+
+def test_generated_workloads_replays_each_key_seed_as_a_draw(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    rows_of = _load("generated_workloads")
+    argv = ["--kinds", "chat", "--seeds", "3", "--key-seeds", "0,5", "--capacity", "60",
+            "--requests", "300", "--policies", "default"]
+    assert rows_of.main([*argv, "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["key_seed"] for r in rows] == [0, 5]
+    workload = generate("chat", 3, 300)
+    for r, keys in zip(rows, (trace_keys(workload), trace_keys(rekeyed(workload, 5))),
+                       strict=True):
+        assert r["hit_ratio"] == replay(keys, 60, "default").hit_ratio
+        assert r["lru"] == replay(keys, 60, "lru").hit_ratio
+    # the table names the worst draw's key seed, the median and the draws that miss
+    assert rows_of.main([*argv, "--floor", "100"]) == 0
+    out = capsys.readouterr().out
+    worst = min(rows, key=lambda r: r["vs_lru"])
+    median = (rows[0]["vs_lru"] + rows[1]["vs_lru"]) / 2
+    assert f"{worst['key_seed']:4d} {median:6.3f}     2/2" in out
+    assert "chat-3 key seed 0 @ 60 default" in out and "2 of 2 cells missed" in out
 
 
 def test_policy_cost_row_takes_the_median_and_quartiles_of_paired_ratios() -> None:
