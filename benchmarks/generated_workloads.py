@@ -111,13 +111,16 @@ def worst(cells: list[Cell]) -> list[Cell]:
     return list(out.values())
 
 
-def draws(cells: list[Cell], cell: Cell, floor: float, large: int) -> tuple[float, int, int]:
-    """Over every seed and key seed of ``cell``'s (kind, capacity, policy): the
-    median ratio to LRU, the draws that miss, and the draws."""
-    same = [c for c in cells if (c.kind, c.capacity, c.policy)
-            == (cell.kind, cell.capacity, cell.policy)]
-    return (statistics.median(c.vs_lru for c in same),
-            sum(c.missed(floor, large) for c in same), len(same))
+def draws(cells: list[Cell], floor: float, large: int) -> dict[tuple[str, int, str],
+                                                                tuple[float, int, int]]:
+    """Per (kind, capacity, policy), over every seed and key seed: the median
+    ratio to LRU, the draws that miss, and the draws."""
+    groups: dict[tuple[str, int, str], list[Cell]] = {}
+    for c in cells:
+        groups.setdefault((c.kind, c.capacity, c.policy), []).append(c)
+    return {key: (statistics.median(c.vs_lru for c in same),
+                  sum(c.missed(floor, large) for c in same), len(same))
+            for key, same in groups.items()}
 
 
 def _kinds(text: str) -> list[str]:
@@ -169,11 +172,12 @@ def print_table(cells: list[Cell], misses: list[Cell], args: argparse.Namespace)
           f"or from {args.large} blocks more than {LARGE_SLACK} below max(LRU, ARC)")
     print(f"{'kind':9s} {'capacity':>8s} {'policy':10s} {'x LRU':>6s} {'seed':>5s} "
           f"{'margin':>8s}" + (f" {'key':>4s} {'median':>6s} {'missed':>7s}" if several else ""))
+    spread = draws(cells, args.floor, args.large) if several else {}
     for c in worst(cells):
         line = (f"{c.kind:9s} {c.capacity:8d} {c.policy:10s} {c.vs_lru:6.3f} {c.seed:5d} "
                 f"{c.margin:+8.4f}")
         if several:
-            median, missed, n = draws(cells, c, args.floor, args.large)
+            median, missed, n = spread[c.kind, c.capacity, c.policy]
             line += f" {c.key_seed:4d} {median:6.3f} {f'{missed}/{n}':>7s}"
         print(line)
     print(f"{len(misses)} of {len(cells)} cells missed"
