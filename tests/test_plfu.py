@@ -56,7 +56,7 @@ def _state(pol: EvictionPolicy) -> object:
     assert isinstance(pol, PLFUPolicy)
     """Everything a failed evict must leave unchanged."""
     state: dict[str, object] = {
-        "window": list(pol._window), "recent": list(pol._recent), "meta": dict(pol._meta),
+        "window": list(pol._window), "recent": list(pol._recent.items()),
         "classes": [list(c) for c in pol._classes], "g1": (dict(pol._g1), dict(pol._g1_old)),
         "g2": (dict(pol._g2), dict(pol._g2_old)), "history": dict(pol.history),
         "numbers": (pol.target, pol.lfu_share, pol._carry, pol._base),

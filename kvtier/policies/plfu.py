@@ -67,8 +67,8 @@ class PLFUPolicy(EvictionPolicy):
     window key that one request used has a count of 1 that is implied, not
     stored (``_counts`` holds the other counts, ``_fresh`` the window keys no
     request has used since they were stored); a main key costs an entry in
-    ``_recent`` and in its class queue (ordered dicts) and in ``_meta`` (with
-    an int) and its count; every key in ``history`` or a ghost list keeps its
+    ``_recent`` (with its priority, an int) and in its class queue (ordered
+    dicts) and its count; every key in ``history`` or a ghost list keeps its
     key object alive.
     """
 
@@ -115,12 +115,12 @@ class PLFUPolicy(EvictionPolicy):
         self._counts: dict[bytes, int] = {}
         self._fresh: set[bytes] = set()
         self._window = KeyOrder()
-        self._recent: _Queue = OrderedDict()  # F, least recent first
+        # F, least recent first -> base when last used << 3 | c (see _classes)
+        self._recent: OrderedDict[bytes, int] = OrderedDict()
         # F by count class c = log2(min(count, COUNT_CAP)), each least recent first;
         # a key's priority is (base when last used) + c + 1, so the head of each
         # class has that class's lowest priority
         self._classes: list[_Queue] = [OrderedDict() for _ in range(_CLASSES)]
-        self._meta: dict[bytes, int] = {}  # F key -> base when last used << 3 | c
         self._base = 0
         self._g1: dict[bytes, None] = {}  # G1, current generation
         self._g1_old: dict[bytes, None] = {}
@@ -133,7 +133,7 @@ class PLFUPolicy(EvictionPolicy):
     # -- introspection -------------------------------------------------------
 
     def __len__(self) -> int:
-        return len(self._window) + len(self._meta)
+        return len(self._window) + len(self._recent)
 
     @property
     def history(self) -> dict[bytes, int]:
@@ -153,7 +153,7 @@ class PLFUPolicy(EvictionPolicy):
         """Entries of each structure (for tests and diagnostics)."""
         return {
             "window": len(self._window),
-            "main": len(self._meta),
+            "main": len(self._recent),
             "history": self._history_size(),
             "ghost_window": len(self._g1) + len(self._g1_old),
             "ghost_main": len(self._g2) + len(self._g2_old),
@@ -171,7 +171,7 @@ class PLFUPolicy(EvictionPolicy):
         """``"window"``, ``"main"`` or None (not resident)."""
         if key in self._window:
             return "window"
-        return "main" if key in self._meta else None
+        return "main" if key in self._recent else None
 
     # -- the contract --------------------------------------------------------
 
@@ -216,7 +216,7 @@ class PLFUPolicy(EvictionPolicy):
     def remove(self, key: bytes) -> None:
         if self._window.discard(key):
             self._left_window([key])
-        elif key in self._meta:
+        elif key in self._recent:
             self._drop_main(key)
 
     def _left_window(self, keys: list[bytes]) -> None:
@@ -234,10 +234,9 @@ class PLFUPolicy(EvictionPolicy):
 
     def _drop_main(self, key: bytes) -> int:
         """Forget a main key; return its priority."""
-        meta = self._meta.pop(key)
+        meta = self._recent.pop(key)
         c = meta & 7
         del self._classes[c][key]
-        del self._recent[key]
         return (meta >> 3) + c + 1
 
     def first_unseen(self, keys: Sequence[bytes]) -> int:
@@ -273,14 +272,13 @@ class PLFUPolicy(EvictionPolicy):
         moved = self._window.discard_many(list(keys))
         if not moved:
             return
-        fresh, counts, metas, recent = self._fresh, self._counts, self._meta, self._recent
+        fresh, counts, recent = self._fresh, self._counts, self._recent
         first_class, base = self._classes[0], self._base << 3
         for key in reversed(moved):
             fresh.discard(key)
             counts[key] = 1
             first_class[key] = None
-            metas[key] = base
-            recent[key] = None
+            recent[key] = base
 
     def on_access(self, keys: Sequence[bytes], reused: Container[bytes]) -> None:
         self._apply_access(keys, self.first_unseen(keys) if self._fresh else len(keys))
@@ -300,8 +298,8 @@ class PLFUPolicy(EvictionPolicy):
                 self._fresh.difference_update(suffix)  # the loop's first branch, at C speed
                 keys = keys[:first_new]
         counts, fresh, window, recent = self._counts, self._fresh, self._window, self._recent
-        metas, classes, class_of = self._meta, self._classes, _CLASS_OF
-        get, rmove, mget = counts.get, recent.move_to_end, metas.get
+        classes, class_of = self._classes, _CLASS_OF
+        get, rmove, mget = counts.get, recent.move_to_end, recent.get
         used = fresh.discard
         g1, g1_old, g2, g2_old = self._g1, self._g1_old, self._g2, self._g2_old
         base, cap, top = self._base << 3, _COUNT_CAP, _CLASSES - 1
@@ -324,11 +322,11 @@ class PLFUPolicy(EvictionPolicy):
                     if c == old:
                         classes[c].move_to_end(key)
                         if meta != new:
-                            metas[key] = new
+                            recent[key] = new
                     else:
                         del classes[old][key]
                         classes[c][key] = None
-                        metas[key] = new
+                        recent[key] = new
                     continue
                 count = get(key, 0) + 1
                 if count > 1 or key not in window:
@@ -342,8 +340,7 @@ class PLFUPolicy(EvictionPolicy):
                 self._from_ghost(key)
             c = class_of[count] if count < cap else top
             classes[c][key] = None
-            metas[key] = base | c
-            recent[key] = None
+            recent[key] = base | c
         if promoted:
             window.discard_many(promoted)
         if len(counts) + len(window) - len(fresh) > self.history_limit:  # _history_size()
@@ -369,7 +366,7 @@ class PLFUPolicy(EvictionPolicy):
         for key in self._fresh:  # other window keys keep their implied 1
             if key in before:
                 keep(key, 1)
-        for key in self._meta:
+        for key in self._recent:
             keep(key, 1)
         self._counts = counts
 
@@ -450,13 +447,13 @@ class PLFUPolicy(EvictionPolicy):
         out: list[bytes] = []
         if k <= 0:
             return out
-        metas, blocked = self._meta, self.blocked
+        recent, blocked = self._recent, self.blocked
         iters = [iter(keys) for keys in self._classes]
         heads: dict[int, tuple[int, bytes]] = {}
         for c, it in enumerate(iters):
             for key in it:
                 if key not in blocked and key not in protected and key not in taken:
-                    heads[c] = ((metas[key] >> 3) + c, key)
+                    heads[c] = ((recent[key] >> 3) + c, key)
                     break
         while heads:
             # the head of least (priority, key), then the runner-up's (priority,
@@ -476,7 +473,7 @@ class PLFUPolicy(EvictionPolicy):
             for key in iters[best]:
                 if key in blocked or key in protected or key in taken:
                     continue
-                prio = (metas[key] >> 3) + best
+                prio = (recent[key] >> 3) + best
                 if (prio, best) > limit or len(out) == k:
                     heads[best] = (prio, key)
                     break
@@ -490,23 +487,21 @@ class PLFUPolicy(EvictionPolicy):
         """Remove the victims (the window's are removed already) and remember
         them as ghosts."""
         g1, g2 = self._g1, self._g2
-        metas, classes, recent = self._meta, self._classes, self._recent
+        classes, recent = self._classes, self._recent
         for key in from_window:
             g1[key] = None
         base = self._base
         for key in by_lfu:
-            meta = metas.pop(key)
+            meta = recent.pop(key)
             c = meta & 7
             del classes[c][key]
-            del recent[key]
             prio = (meta >> 3) + c + 1
             if prio > base:
                 base = prio
             g2[key] = True
         self._base = base
         for key in by_lru:
-            del classes[metas.pop(key) & 7][key]
-            del recent[key]
+            del classes[recent.pop(key) & 7][key]
             g2[key] = False
         if len(g1) >= self._generation:
             self._g1_old, self._g1 = g1, {}
