@@ -232,7 +232,7 @@ def block_bytes(dtype_bytes: int = 2) -> int:
 
 
 SERVER_KEEP_ALIVE_S = 75
-"""How long the benchmark's servers keep an idle HTTP connection open: longer
+"""How long the benchmarks' servers keep an idle HTTP connection open: longer
 than ``vllm bench serve``'s client keeps one for reuse (60 s in vLLM 0.32), so
 that the client always closes an idle connection first. With vLLM's own 5 s
 (``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``), a request sent on a pooled connection
@@ -245,7 +245,8 @@ SERVER_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1",
 reservation for every configuration: on the CPU platform vLLM reserves one
 more core whenever a KV connector is configured (for NIXL), which on a 2-core
 machine leaves none for the scheduler, so the worker's threads would compete
-with it in offloading configurations only. And ``SERVER_KEEP_ALIVE_S``."""
+with it in offloading configurations only. And the keep-alive of
+``SERVER_KEEP_ALIVE_S``."""
 
 
 def server_env() -> dict[str, str]:
