@@ -237,7 +237,8 @@ than ``vllm bench serve``'s client keeps one for reuse (60 s in vLLM 0.32), so
 that the client always closes an idle connection first. With vLLM's own 5 s
 (``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``), a request sent on a pooled connection
 as the server closes it failed in the client ("Server disconnected"): 1 of
-150 requests of a fault run with no fault, 2-16 of 3,993 per serving run."""
+150 requests of a fault run with no fault (and most likely the 2-16 of 3,993
+per serving run seen before)."""
 
 SERVER_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1",
               "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": str(SERVER_KEEP_ALIVE_S)}
