@@ -1,8 +1,8 @@
-"""The benchmarks' servers keep an idle connection open past vLLM's own 5 s
-keep-alive: ``vllm bench serve`` reuses a connection idle for up to 60 s, and
-one that the server closed meanwhile failed its request ("Server
-disconnected"; ``kvtier.bench.serving.SERVER_KEEP_ALIVE_S``). Real server,
-real socket."""
+"""The servers the harness starts (``ServerProcess``: benchmarks, drills, the
+tiered demo) keep an idle connection open past vLLM's own 5 s keep-alive:
+``vllm bench serve`` reuses a connection idle for up to 60 s, and one that
+the server closed meanwhile failed its request ("Server disconnected";
+``kvtier.server_process.KEEP_ALIVE_S``). Real server, real socket."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def test_a_connection_idle_past_vllms_keep_alive_still_serves(tmp_path: Path) ->
     model = build_tiny_llama(tmp_path / "model")
     port = free_port()
     argv = vllm_command(["serve", str(model), *serving.engine_flags(64, port, max_model_len=512)])
-    with ServerProcess(argv, port, tmp_path / "server.log", env=serving.server_env()):
+    with ServerProcess(argv, port, tmp_path / "server.log"):
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
         try:
             for _ in range(2):  # the second request reuses the idle connection

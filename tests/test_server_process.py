@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.server_process import ServerError, ServerProcess
+from kvtier.server_process import KEEP_ALIVE_ENV, KEEP_ALIVE_S, ServerError, ServerProcess
 from kvtier.tiers.redis_server import free_port
 
 HEALTHY = ("import http.server, sys\n"
@@ -47,6 +47,19 @@ def test_a_server_that_answers_is_ready_and_stops(tmp_path: Path) -> None:
     with srv, urllib.request.urlopen(srv.url + "/health", timeout=5) as r:
         assert r.status == 200
     assert srv.leftovers == []
+
+
+def test_servers_keep_idle_connections_past_the_clients_unless_told(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(KEEP_ALIVE_ENV, raising=False)
+    argv, port = [sys.executable, "-c", "pass"], free_port()
+    assert ServerProcess(argv, port, "log").env[KEEP_ALIVE_ENV] == str(KEEP_ALIVE_S)
+    assert ServerProcess(argv, port, "log", env={"A": "1"}).env == {
+        "A": "1", KEEP_ALIVE_ENV: str(KEEP_ALIVE_S)}
+    told = {KEEP_ALIVE_ENV: "9"}
+    assert ServerProcess(argv, port, "log", env=told).env == told
+    monkeypatch.setenv(KEEP_ALIVE_ENV, "11")
+    assert ServerProcess(argv, port, "log").env[KEEP_ALIVE_ENV] == "11"
 
 
 def test_another_server_on_the_port_is_not_taken_for_this_one(tmp_path: Path) -> None:

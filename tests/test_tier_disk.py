@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -337,8 +338,10 @@ print(json.dumps({"enospc": enospc, "reserve": reserve}))
 """
 
 
-def test_enospc_on_a_small_tmpfs(tmp_path: Path) -> None:
-    """A real 8 MiB tmpfs, mounted in a private mount namespace (root or user ns)."""
+def run_on_private_tmpfs(tmp_path: Path, child: str) -> Any:
+    """Run the Python ``child`` with arguments (an 8 MiB tmpfs mounted in a
+    private mount namespace, root or user ns; ``NS``) and return the JSON it
+    prints; skips where no such tmpfs can be mounted."""
     if shutil.which("unshare") is None:
         pytest.skip("needs util-linux's unshare to mount a private tmpfs")
     mnt = tmp_path / "mnt"
@@ -348,13 +351,19 @@ def test_enospc_on_a_small_tmpfs(tmp_path: Path) -> None:
         cmd.insert(1, "--map-root-user")
     script = 'mount -t tmpfs -o size=8m kvtier-test "$1" && exec "$2" -c "$3" "$1" "$4"'
     out = subprocess.run(
-        [*cmd, "sh", "-c", script, "sh", str(mnt), sys.executable, _TMPFS_CHILD, NS],
+        [*cmd, "sh", "-c", script, "sh", str(mnt), sys.executable, child, NS],
         capture_output=True, text=True, timeout=120, cwd=REPO, check=False,
     )
     if out.returncode != 0 and "mount" in out.stderr and "Traceback" not in out.stderr:
         pytest.skip(f"cannot mount a private tmpfs here: {out.stderr.strip()[:200]}")
     assert out.returncode == 0, out.stderr
     res = json.loads(out.stdout)
+    return res
+
+
+def test_enospc_on_a_small_tmpfs(tmp_path: Path) -> None:
+    """A real 8 MiB tmpfs, mounted in a private mount namespace (root or user ns)."""
+    res = run_on_private_tmpfs(tmp_path, _TMPFS_CHILD)
     enospc = res["enospc"]
     first_fail = enospc["ok"].index(False)
     assert 3 <= first_fail < 12
@@ -389,22 +398,7 @@ def test_an_unmounted_cache_disk_is_not_refilled_on_the_disk_below(tmp_path: Pat
     """A real tmpfs as the cache disk, unmounted while serving: the tier must not
     recreate its tree on the file system below (the root disk), which its
     capacity and free-space reserve were not sized for."""
-    if shutil.which("unshare") is None:
-        pytest.skip("needs util-linux's unshare to mount a private tmpfs")
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    cmd = ["unshare", "--mount", "--propagation", "private"]
-    if os.geteuid() != 0:
-        cmd.insert(1, "--map-root-user")
-    script = 'mount -t tmpfs -o size=8m kvtier-test "$1" && exec "$2" -c "$3" "$1" "$4"'
-    out = subprocess.run(
-        [*cmd, "sh", "-c", script, "sh", str(mnt), sys.executable, _UNMOUNT_CHILD, NS],
-        capture_output=True, text=True, timeout=120, cwd=REPO, check=False,
-    )
-    if out.returncode != 0 and "mount" in out.stderr and "Traceback" not in out.stderr:
-        pytest.skip(f"cannot mount a private tmpfs here: {out.stderr.strip()[:200]}")
-    assert out.returncode == 0, out.stderr
-    res = json.loads(out.stdout)
+    res = run_on_private_tmpfs(tmp_path, _UNMOUNT_CHILD)
     assert res["before"] == [True] and res["after"] == [False] and res["got"]
     assert res["left"] == [] and res["dropped"] == 1
 

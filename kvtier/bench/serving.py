@@ -231,23 +231,14 @@ def block_bytes(dtype_bytes: int = 2) -> int:
     return kv_bytes_per_block(BLOCK_TOKENS) * dtype_bytes // DTYPE_BYTES
 
 
-SERVER_KEEP_ALIVE_S = 75
-"""How long the benchmarks' servers keep an idle HTTP connection open: longer
-than ``vllm bench serve``'s client keeps one for reuse (60 s in vLLM 0.32), so
-that the client always closes an idle connection first. With vLLM's own 5 s
-(``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``), a request sent on a pooled connection
-as the server closes it failed in the client ("Server disconnected"): 1 of
-150 requests of a fault run with no fault (and most likely the 2-16 of 3,993
-per serving run seen before)."""
-
-SERVER_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1",
-              "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": str(SERVER_KEEP_ALIVE_S)}
-"""The environment of every server the benchmarks start. The same CPU
-reservation for every configuration: on the CPU platform vLLM reserves one
+SERVER_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
+"""The environment of every server the benchmarks start: the same CPU
+reservation for every configuration. On the CPU platform vLLM reserves one
 more core whenever a KV connector is configured (for NIXL), which on a 2-core
 machine leaves none for the scheduler, so the worker's threads would compete
-with it in offloading configurations only. And the keep-alive of
-``SERVER_KEEP_ALIVE_S``."""
+with it in offloading configurations only. (Each server keeps idle
+connections open past its client's reuse: ``ServerProcess``,
+``kvtier.server_process.KEEP_ALIVE_S``.)"""
 
 
 def server_env() -> dict[str, str]:
