@@ -42,7 +42,8 @@ class PLFUPolicy(EvictionPolicy):
       the old one and the old one is dropped, so each list reaches back
       between ``3/4`` and ``3/2 capacity`` victims;
     * two learned numbers: ``target``, the room ``R`` may keep, between
-      ``MIN_WINDOW`` and ``MAX_WINDOW`` of the cache (ARC's rule, with steps
+      ``MIN_WINDOW`` and ``MAX_WINDOW`` of the cache, starting at
+      ``START_WINDOW`` (ARC's rule, with steps
       that grow with the cache past ``STEP_SCALE`` blocks: a block that comes
       back from ``G1`` raises it, one from ``G2`` lowers it); and
       ``lfu_share``, the share of ``F``'s victims chosen by frequency (a
@@ -85,7 +86,7 @@ class PLFUPolicy(EvictionPolicy):
     """ARC moves ``target`` one block per ghost hit; caches larger than this move
     ``capacity / STEP_SCALE`` blocks, so they adapt in as few hits as this size."""
     MIN_WINDOW = 1 / 16
-    """The window may always keep this share of the cache (and starts with it)."""
+    """The window may always keep this share of the cache."""
     MAX_WINDOW = 1 / 2
     """...and never more than this: blocks one request used never outnumber
     proven ones. Without the bound, on traffic whose popularity drifts
@@ -93,6 +94,8 @@ class PLFUPolicy(EvictionPolicy):
     1,000-block cache, and PLFU lost up to 4 % of LRU's hits (the default up
     to 7 %); with it both stay above LRU there (docs/policy.md, "Popularity
     drift")."""
+    START_WINDOW = MIN_WINDOW
+    """Share of the cache ``target`` starts at (and returns to at ``clear``)."""
     MIN_SHARE = 0.02
     """``lfu_share`` stays in [MIN_SHARE, 1 - MIN_SHARE], so both orders keep learning."""
 
@@ -126,7 +129,7 @@ class PLFUPolicy(EvictionPolicy):
         self._g1_old: dict[bytes, None] = {}
         self._g2: dict[bytes, bool] = {}  # G2 -> chosen by the frequency order
         self._g2_old: dict[bytes, bool] = {}
-        self.target = self._min_target
+        self.target = self.capacity * self.START_WINDOW
         self.lfu_share = 0.5
         self._carry = 0.0
 
