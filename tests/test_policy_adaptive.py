@@ -501,8 +501,9 @@ def test_a_busy_engines_chat_keeps_lru_hits_from_the_first_requests(seed: int) -
     # Generated chat behind a 500-block engine cache that always has 2,048
     # tokens of work (many conversations in flight), first 1,000 requests,
     # 1,000 CPU blocks: each conversation's new blocks come back at its next
-    # turn. From the lower bound the window had 166 blocks at most and the
-    # default kept 0.83-0.85 x LRU's hits (0.89 x vLLM's LRU in the server).
+    # turn. From the lower bound the window grew to 166 blocks at most (seed
+    # 1) and the default kept 0.83-0.85 x LRU's hits (0.89 x vLLM's LRU in the
+    # server); a subclass starting there is the negative control.
     requests = served_requests(generate("chat", seed, 1000))
 
     def hits(policy: str) -> float:
