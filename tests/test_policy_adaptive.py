@@ -513,3 +513,18 @@ def test_a_busy_engines_chat_keeps_lru_hits_from_the_first_requests(seed: int) -
     lru, default, control = hits("lru"), hits("default"), hits("test_policy_adaptive:_LowStart")
     assert default >= 0.9 * lru
     assert control < 0.86 * lru
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "known miss (docs/policy.md, 'Popularity drift on seeds never looked at'): "
+    "ARC's rule swings the window between a fifth and half of the cache on drift "
+    "at 4,000 blocks and the default keeps 0.975 / 0.979 x LRU on seeds 42 / 44"))
+@pytest.mark.parametrize("seed", [42, 44])
+def test_drift_keeps_lru_hits_at_4000_blocks_on_fresh_seeds(seed: int) -> None:
+    # Popularity drift (kvtier generate drift), 10,000 requests, 4,000 blocks:
+    # the row of issue 11 asks every generated workload for >= 0.98 x LRU.
+    # A window held at half the cache keeps 0.992 / 0.995 x; the rules tried
+    # that lift these draws cost other rows more.
+    keys = trace_keys(generate("drift", seed, 10_000))
+    lru, default = replay(keys, 4000, "lru").hit_ratio, replay(keys, 4000, "default").hit_ratio
+    assert default >= 0.98 * lru
