@@ -171,8 +171,7 @@ def test_every_readme_serve_example_runs(model: Path, tmp_path: Path, redis_url:
     examples = readme_serve_examples()
     assert len(examples) >= 2
     for i, example in enumerate(examples):
-        args = [_substitute(a, model, tmp_path, redis_url) for a in example]
-        port = int(args[args.index("--port") + 1]) if "--port" in args else 8000
+        args, port = _on_free_port([_substitute(a, model, tmp_path, redis_url) for a in example])
         server = ServerProcess([sys.executable, "-m", "kvtier", *args[1:]], port,
                                tmp_path / f"example-{i}.log").start()
         try:
@@ -181,6 +180,16 @@ def test_every_readme_serve_example_runs(model: Path, tmp_path: Path, redis_url:
             status = server.stop()
         assert status == 0 and server.leftovers == [], server.log_tail()
         assert answer == reference[0], example
+
+
+def _on_free_port(args: list[str]) -> tuple[list[str], int]:
+    """``args`` serving on a free port instead of the README's (8000 when it
+    names none): a fixed port may be taken on the machine running the test."""
+    port = free_port()
+    if "--port" not in args:
+        return [*args, "--port", str(port)], port
+    at = args.index("--port") + 1
+    return [*args[:at], str(port), *args[at + 1:]], port
 
 
 def _substitute(arg: str, model: Path, tmp_path: Path, redis_url: str) -> str:
