@@ -208,14 +208,21 @@ def test_a_lead_counts_one_hit_less(hits: int, switches: int) -> None:
     assert decide(_NoCorrection) == 1
 
 
+def generated_hit_ratios(kind: str, seed: int, requests: int, capacity: int,
+                         *policies: str) -> list[float]:
+    """Hit ratio of each of ``policies`` on ``kvtier generate KIND`` traffic
+    (``seed``, ``requests``) at ``capacity`` blocks."""
+    keys = trace_keys(generate(kind, seed, requests))
+    return [replay(keys, capacity, policy).hit_ratio for policy in policies]
+
+
 def chat_hit_ratios(seed: int, requests: int, capacity: int,
                     control: str) -> tuple[float, float, float]:
     """Hit ratios of LRU, the default and this module's ``control`` policy on
     generated chat (``seed``, ``requests``) at ``capacity`` blocks."""
-    keys = trace_keys(generate("chat", seed, requests))
-    return (replay(keys, capacity, "lru").hit_ratio,
-            replay(keys, capacity, "default").hit_ratio,
-            replay(keys, capacity, f"test_policy_adaptive:{control}").hit_ratio)
+    lru, default, ctl = generated_hit_ratios(
+        "chat", seed, requests, capacity, "lru", "default", f"test_policy_adaptive:{control}")
+    return lru, default, ctl
 
 
 class _NoReturn(AdaptivePolicy):
@@ -525,6 +532,5 @@ def test_drift_keeps_lru_hits_at_4000_blocks_on_fresh_seeds(seed: int) -> None:
     # the row of issue 11 asks every generated workload for >= 0.98 x LRU.
     # A window held at half the cache keeps 0.992 / 0.995 x; the rules tried
     # that lift these draws cost other rows more.
-    keys = trace_keys(generate("drift", seed, 10_000))
-    lru, default = replay(keys, 4000, "lru").hit_ratio, replay(keys, 4000, "default").hit_ratio
+    lru, default = generated_hit_ratios("drift", seed, 10_000, 4000, "lru", "default")
     assert default >= 0.98 * lru
