@@ -551,15 +551,33 @@ class DiskTier(Tier):
 
     def _miss(self, key: bytes, gone: bool = False) -> tuple[None, None]:
         if gone:
-            with self._lock:
-                forgot = self._forget_locked(key)
+            forgot = self._forget_unless_replaced(key, None)
             if forgot:  # removed by another engine sharing the directory
                 self._events.emit("removed", [key], "gone")
         self._counters.add("misses")
         return None, None
 
+    def _forget_unless_replaced(self, key: bytes, bad: os.stat_result | None) -> bool:
+        """Drop ``key`` from the index, unless its path now holds a file other
+        than ``bad`` (None: any file). Checked under the
+        lock: another thread may have stored the key again since the read, and
+        forgetting that store would leave its file on disk, in no index, its
+        bytes outside ``capacity_bytes`` until a rescan."""
+        path = self.dir.file(key)
+        with self._lock:
+            try:
+                now = os.stat(path, follow_symlinks=False)
+            except OSError:
+                now = None
+            if now is not None and (
+                bad is None or (now.st_dev, now.st_ino) != (bad.st_dev, bad.st_ino)
+            ):
+                return False
+            return self._forget_locked(key)
+
     def _corrupt(self, key: bytes, path: str, fd: int, exc: CorruptBlockError) -> None:
         """Remove the bad file (unless another engine replaced it meanwhile)."""
+        mine: os.stat_result | None = None
         try:
             mine = os.fstat(fd)
             now = os.stat(path, follow_symlinks=False)
@@ -567,8 +585,7 @@ class DiskTier(Tier):
                 unlink_quietly(path)
         except OSError:
             pass
-        with self._lock:
-            self._forget_locked(key)
+        self._forget_unless_replaced(key, mine)
         self._counters.add("corrupt")
         self._counters.add("misses")
         self._events.emit("corrupt", [key], exc.reason)
