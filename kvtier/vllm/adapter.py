@@ -22,6 +22,7 @@ from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.manager import OffloadManager
+from kvtier.replay.recorder import TraceRecorder
 from kvtier.request import RequestContext
 from kvtier.results import LookupResult
 from kvtier.tiers.cascade import TierCascade
@@ -52,6 +53,16 @@ class _Promoted:
         self.keys: dict[bytes, str | None] = {}
 
 
+class _Arrival:
+    """When a request reached the scheduler (the trace recorder's clock, ms):
+    its per-request state in vLLM's ``ReqContext`` while a trace is recorded."""
+
+    __slots__ = ("ms",)
+
+    def __init__(self, ms: float) -> None:
+        self.ms = ms
+
+
 _LOOKUP = {
     LookupResult.MISS: VllmLookupResult.MISS,
     LookupResult.HIT: VllmLookupResult.HIT,
@@ -69,11 +80,15 @@ class KVTierOffloadingManager(OffloadingManager):
     request. With a ``TierCascade`` (disk/Redis tiers configured), lookups,
     offers, completed stores, finishes, step ends, events, resets and shutdown
     go through it; its tiers' events are reported as ``Medium.STORAGE``.
+    With a ``TraceRecorder`` (``trace_path`` in the config), each finished
+    request's keys are written to its trace; ``shutdown`` closes it.
     """
 
-    def __init__(self, manager: OffloadManager, cascade: TierCascade | None = None) -> None:
+    def __init__(self, manager: OffloadManager, cascade: TierCascade | None = None,
+                 recorder: TraceRecorder | None = None) -> None:
         self.manager = manager
         self.cascade = cascade
+        self.recorder = recorder
         self._reported: dict[str, int] = {}
         self._allocation_sizes: list[int] = []
         """Slots granted per store offer since the last ``get_stats`` (vLLM
@@ -93,6 +108,8 @@ class KVTierOffloadingManager(OffloadingManager):
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         self.context(req_context)
+        if self.recorder is not None:
+            req_context.set_state(_Arrival(self.recorder.now_ms()))
         return RequestOffloadingContext()
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> VllmLookupResult:
@@ -170,10 +187,15 @@ class KVTierOffloadingManager(OffloadingManager):
             self.manager.complete_store(list(keys), ctx, success=success)
 
     def on_request_finished(self, req_context: ReqContext) -> None:
+        ctx = self.context(req_context)
+        if self.recorder is not None:  # first: a finish may reset the context
+            arrival = req_context.get_state(_Arrival)
+            self.recorder.record(self.recorder.now_ms() if arrival is None else arrival.ms,
+                                 ctx.positions.items())
         if self.cascade is not None:
-            self.cascade.on_request_finished(self.context(req_context))
+            self.cascade.on_request_finished(ctx)
         else:
-            self.manager.on_request_finished(self.context(req_context))
+            self.manager.on_request_finished(ctx)
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         events = self.manager.take_events()
@@ -224,3 +246,5 @@ class KVTierOffloadingManager(OffloadingManager):
     def shutdown(self) -> None:
         if self.cascade is not None:
             self.cascade.shutdown()
+        if self.recorder is not None:
+            self.recorder.close()

@@ -16,6 +16,7 @@ from kvtier.errors import KVTierError
 from kvtier.history import DEFAULT_EVICTION_HISTORY_SIZE
 from kvtier.leases import DEFAULT_LEASE_TIMEOUT_S, DEFAULT_MAX_LEASES_PER_REQUEST
 from kvtier.policies import policy_class
+from kvtier.replay.recorder import DEFAULT_MAX_REQUESTS
 from kvtier.secrets import (
     ENV_PREFIX,
     MISPLACED_AT_HINT,
@@ -121,6 +122,12 @@ class KVTierSettings:
     """An identity of the weights the operator vouches for (e.g. the
     checkpoint's digest), used instead of kvtier's fingerprint of the weights
     files; needed when the weights are not local files."""
+    trace_path: str | None = None
+    """A new file to record the engine's requests in, as a Mooncake-format
+    trace for ``kvtier replay`` (``kvtier.replay.recorder``; ``{pid}`` is
+    replaced by the process id, a leading ``~`` expanded); None: none."""
+    trace_max_requests: int = DEFAULT_MAX_REQUESTS
+    """Requests recorded in ``trace_path``; recording stops after them."""
     cuda_copy: CudaCopy = "auto"
     """How blocks cross between a CUDA engine's KV cache and the CPU slots:
     "memcpy" (copy engines, no SM time), "mapped" (one kernel per batch: fast
@@ -162,7 +169,8 @@ class KVTierSettings:
                 "memory kvtier may use for offloaded KV blocks, e.g. 8000000000"
             )
         values = _normalized({k: extra[k] for k in own if k in extra})
-        for prefix, owner in (("disk_", "disk_path"), ("redis_", "redis_url")):
+        for prefix, owner in (("disk_", "disk_path"), ("redis_", "redis_url"),
+                              ("trace_", "trace_path")):
             orphans = sorted(k for k in values if k.startswith(prefix) and k != owner)
             if orphans and values.get(owner) is None and not (
                     prefix == "disk_" and orphans == ["disk_bytes"]):
@@ -198,7 +206,7 @@ class KVTierSettings:
             if not is_positive_seconds(timeout):
                 raise ConfigError(f"{key} must be a finite number of seconds > 0, "
                                   f"got {timeout!r}")
-        for key in ("disk_path", "redis_url", "tenant_salt", "model_identity"):
+        for key in ("disk_path", "redis_url", "tenant_salt", "model_identity", "trace_path"):
             value = getattr(self, key)
             if value is not None and (not isinstance(value, str) or not value):
                 raise ConfigError(f"{key} must be a non-empty str (or unset), got "
@@ -212,6 +220,7 @@ class KVTierSettings:
                 raise ConfigError(f"redis_url {redact_url(self.redis_url)!r}: the scheme "
                                   f"must be one of {list(REDIS_URL_SCHEMES)}")
         self._validate_disk()
+        _int_at_least("trace_max_requests", self.trace_max_requests, 1, "requests recorded")
         for tier in ("disk", "redis"):
             policy = getattr(self, f"{tier}_write_policy")
             if policy not in WRITE_POLICIES:
@@ -263,19 +272,20 @@ def _normalized(values: dict[str, Any]) -> dict[str, Any]:
                 out[key] = parse_byte_size(value)
             except ValueError as exc:
                 raise ConfigError(f"{key}: {exc}") from None
-    path = out.get("disk_path")
-    if isinstance(path, str) and path.startswith("~"):
-        out["disk_path"] = expand_home(path)
+    for key in ("disk_path", "trace_path"):
+        path = out.get(key)
+        if isinstance(path, str) and path.startswith("~"):
+            out[key] = expand_home(path, key)
     return out
 
 
-def expand_home(path: str) -> str:
+def expand_home(path: str, key: str) -> str:
     """``path`` with a leading ``~`` or ``~user`` expanded; ``ConfigError``
-    when it cannot be (no home directory known): a directory literally
-    named ``~`` is never what was meant."""
+    (naming ``key``) when it cannot be (no home directory known): a
+    directory literally named ``~`` is never what was meant."""
     expanded = os.path.expanduser(path)
     if expanded.startswith("~"):
-        raise ConfigError(f"disk_path {path!r}: cannot expand its '~' (no such user, or "
+        raise ConfigError(f"{key} {path!r}: cannot expand its '~' (no such user, or "
                           "HOME is not set): give the full path")
     return expanded
 

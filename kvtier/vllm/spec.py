@@ -20,6 +20,7 @@ from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
 from kvtier.identity import IdentityError, ModelIdentity
 from kvtier.manager import OffloadManager
+from kvtier.replay.recorder import TraceRecorder, TraceRecorderError
 from kvtier.slots.region import DEFAULT_ALIGNMENT, PREFIX, SUFFIX, SlotRegion, region_creator
 from kvtier.tiers.base import Tier
 from kvtier.tiers.cascade import TierCascade, WritePolicy
@@ -148,9 +149,20 @@ class KVTierSpec(OffloadingSpec):
                 max_leased_blocks=s.max_leased_blocks,
                 lease_timeout_s=s.lease_timeout_s,
             )
-            self._manager = KVTierOffloadingManager(manager, self._cascade(manager))
+            self._manager = KVTierOffloadingManager(manager, self._cascade(manager),
+                                                    self._recorder())
             self._log_tiers()
         return self._manager
+
+    def _recorder(self) -> TraceRecorder | None:
+        """The trace recorder ``trace_path`` asks for (on the scheduler's side only)."""
+        s = self.settings
+        if s.trace_path is None:
+            return None
+        try:
+            return TraceRecorder(s.trace_path, s.trace_max_requests)
+        except TraceRecorderError as exc:
+            raise ConfigError(str(exc)) from None
 
     def _log_tiers(self) -> None:
         """The scheduler's one start-up line: which tiers are active (``tiers_line``)."""

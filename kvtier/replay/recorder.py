@@ -1,0 +1,183 @@
+"""Record the requests an engine serves as a Mooncake-format trace.
+
+The README's "Choosing a policy" compares policies on one's own traffic by
+replaying it (``kvtier replay``); this writes that traffic from a running
+engine (``trace_path`` in the config). One JSON line per finished request,
+the format :mod:`kvtier.replay.trace` reads:
+
+* ``timestamp``: its arrival at the scheduler, in ms since the recorder opened;
+* ``input_length``: the tokens of its full blocks (the end of the last one);
+* ``output_length``: 0, not recorded (``kvtier replay`` does not read it);
+* ``hash_ids``: one 64-bit BLAKE2b digest of each full block's hash, in
+  prefix order, the blocks the engine's own cache served included, so that
+  ``kvtier replay --gpu-blocks`` can put an engine cache in front again.
+
+The file holds no token and no engine hash, only digests of them; the same
+prompt prefix gives the same ids across requests of one engine (and across
+engines whose block hashes agree). Lines are written in finish order; a
+request that finishes with no full block is left out, and so is one whose
+finish vLLM has not reported when the engine stops (it reports it once the
+request's stores complete).
+
+The scheduler's thread only copies the request's key positions and queues
+them; a writer thread digests, formats and writes, so a slow disk delays
+the file, not the engine. Memory: at most ``MAX_QUEUED`` requests' positions
+wait in the queue (a request that finds it full is dropped and counted), and
+at most ``max_requests`` lines are written, after which recording stops.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+from kvtier.errors import KVTierError
+from kvtier.keys import key_group, key_hash
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_REQUESTS = 100_000
+"""Lines a recorder writes before it stops: about 100 MB of trace for requests
+of 100 blocks (20 digits per id)."""
+MAX_QUEUED = 256
+"""Finished requests waiting for the writer thread; more are dropped (counted)."""
+CLOSE_TIMEOUT_S = 5.0
+"""What ``close`` waits for the writer to write what is queued."""
+PID_FIELD = "{pid}"
+"""Replaced in the path by the process id: engines of one data-parallel
+deployment share one config, and each needs a file of its own."""
+
+Positions = list[tuple[bytes, int]]
+"""A request's keys with the end-token position of each (vLLM's ``ReqContext``)."""
+
+
+class TraceRecorderError(KVTierError, OSError):
+    """The trace file cannot be created; the message names the path."""
+
+
+def trace_hash_id(block_hash: bytes) -> int:
+    """The trace id of an engine block hash: its 64-bit BLAKE2b digest."""
+    digest = hashlib.blake2b(block_hash, digest_size=8, person=b"kvtier-trace").digest()
+    return int.from_bytes(digest, "big")
+
+
+def trace_line(arrival_ms: float, positions: Positions) -> str | None:
+    """The Mooncake line of one request, or None when it has no full block.
+    With several KV-cache groups, the keys of the lowest group stand for the
+    blocks (every group's key of a block has the same position)."""
+    if not positions:
+        return None
+    group = min(key_group(key) for key, _ in positions)
+    ordered = sorted((pos, key) for key, pos in positions if key_group(key) == group)
+    return json.dumps({
+        "timestamp": round(arrival_ms),
+        "input_length": ordered[-1][0],
+        "output_length": 0,
+        "hash_ids": [trace_hash_id(key_hash(key)) for _, key in ordered],
+    }, separators=(",", ":"))
+
+
+class TraceRecorder:
+    """Writes finished requests as Mooncake lines to a new file (see the module).
+
+    Owns the file (created here, never overwritten: ``TraceRecorderError``
+    when it exists or cannot be made), a queue of at most ``MAX_QUEUED``
+    requests and the writer thread that empties it. Invariants: at most
+    ``max_requests`` lines are written; ``record`` never blocks; after a write
+    error or ``close`` nothing more is written. ``stats()``: recorded,
+    dropped (queue full), and whether it stopped.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], max_requests: int = DEFAULT_MAX_REQUESTS,
+                 ) -> None:
+        if isinstance(max_requests, bool) or not isinstance(max_requests, int) \
+                or max_requests < 1:
+            raise ValueError(f"max_requests must be an int >= 1, got {max_requests!r}")
+        self.path = Path(str(path).replace(PID_FIELD, str(os.getpid())))
+        self.max_requests = max_requests
+        try:
+            self._file = self.path.open("x", encoding="utf-8")
+        except FileExistsError:
+            raise TraceRecorderError(f"trace_path {self.path} exists: a trace is never "
+                                     "overwritten; remove it or give a new path") from None
+        except OSError as exc:
+            raise TraceRecorderError(f"trace_path {self.path}: cannot create it: "
+                                     f"{exc.strerror or exc}") from None
+        self._start = time.monotonic()
+        self._queue: queue.Queue[tuple[float, Positions] | None] = queue.Queue(MAX_QUEUED)
+        self._accepted = 0
+        self.recorded = 0
+        self.dropped = 0
+        self.stopped = False
+        self._thread = threading.Thread(target=self._write_all, name="kvtier-trace",
+                                        daemon=True)
+        self._thread.start()
+        logger.info("kvtier: recording requests to %s (at most %d)", self.path, max_requests)
+
+    def now_ms(self) -> float:
+        """Milliseconds since the recorder opened: a request's arrival stamp."""
+        return (time.monotonic() - self._start) * 1000.0
+
+    def record(self, arrival_ms: float, positions: Iterable[tuple[bytes, int]]) -> None:
+        """Queue one finished request (its keys with their end-token positions)."""
+        if self.stopped or self._accepted >= self.max_requests:
+            return
+        try:
+            self._queue.put_nowait((arrival_ms, list(positions)))
+        except queue.Full:
+            self.dropped += 1
+            if self.dropped == 1:
+                logger.warning("kvtier: the trace writer falls behind (%s): finished "
+                               "requests are left out of the trace while it does", self.path)
+            return
+        self._accepted += 1
+        if self._accepted == self.max_requests:
+            logger.info("kvtier: trace %s reached trace_max_requests=%d: recording stops",
+                        self.path, self.max_requests)
+
+    def _write_all(self) -> None:
+        while (item := self._queue.get()) is not None:
+            if self.stopped:
+                continue
+            line = trace_line(*item)
+            if line is None:
+                continue
+            try:
+                self._file.write(line + "\n")
+                self._file.flush()  # whole lines on disk while the engine runs
+            except (OSError, ValueError) as exc:
+                self.stopped = True
+                logger.warning("kvtier: cannot write the trace %s (%s): recording stops",
+                               self.path, exc)
+                continue
+            self.recorded += 1
+
+    def close(self) -> None:
+        """Write what is queued (waiting at most ``CLOSE_TIMEOUT_S``), then close the file."""
+        if not self._thread.is_alive():
+            return
+        with contextlib.suppress(queue.Full):  # a writer stuck that long: join says so
+            self._queue.put(None, timeout=CLOSE_TIMEOUT_S)
+        self._thread.join(CLOSE_TIMEOUT_S)
+        self.stopped = True
+        if self._thread.is_alive():
+            logger.warning("kvtier: the trace writer of %s did not finish in %.0f s",
+                           self.path, CLOSE_TIMEOUT_S)
+            return
+        try:
+            self._file.close()
+        except OSError as exc:
+            logger.warning("kvtier: cannot close the trace %s: %s", self.path, exc)
+        logger.info("kvtier: trace %s: %d requests recorded, %d dropped", self.path,
+                    self.recorded, self.dropped)
+
+    def stats(self) -> dict[str, int | bool]:
+        return {"recorded": self.recorded, "dropped": self.dropped, "stopped": self.stopped}
