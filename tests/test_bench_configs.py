@@ -16,6 +16,7 @@ from kvtier.bench.serving import (
     check_config,
     fit_model_len,
     load_runs,
+    recording_path,
     server_argv,
 )
 from kvtier.cli import build_parser
@@ -53,6 +54,25 @@ def test_a_policy_configuration_starts_kvtier_serve_with_that_policy(tmp_path: P
     assert argv[argv.index("--disk-path") + 1] == str(tmp_path / "disk")
     plain = server_argv(s, "adaptive", 1 << 20, 8000, tmp_path / "disk")
     assert "--disk-path" not in plain
+
+
+def test_record_makes_each_kvtier_server_record_to_a_file_of_its_own(tmp_path: Path) -> None:
+    plain = BenchSettings(model=tmp_path / "model", out=tmp_path / "out")
+    s = BenchSettings(model=tmp_path / "model", out=tmp_path / "out", record=True)
+    assert recording_path(plain, "default", "run") is None
+    assert recording_path(s, "vllm-lru", "run") is None  # vLLM's manager: nothing to record
+    assert recording_path(s, "none", "run") is None
+    path = recording_path(s, "default", "default-bundled-paced-1000-r0")
+    assert path == tmp_path / "out" / "served" / "default-bundled-paced-1000-r0.jsonl"
+    argv = server_argv(s, "default", 1 << 20, 8000, tmp_path / "disk", path)
+    assert argv[argv.index("--kvtier") + 1] == f"trace_path={path}"
+    assert "--kvtier" not in server_argv(s, "default", 1 << 20, 8000, tmp_path / "disk")
+    path.write_text('{"hash_ids": [1]}\n')  # a repeat of the run: the old trace is kept
+    assert recording_path(s, "default", path.stem) == path and not path.exists()
+    assert path.with_name(path.name + ".1").read_text() == '{"hash_ids": [1]}\n'
+    path.write_text("")  # an empty one is not
+    assert recording_path(s, "default", path.stem) == path and not path.exists()
+    assert build_parser().parse_args(["bench", "serve", "--record"]).record
 
 
 def test_the_command_line_rejects_an_unknown_configuration(

@@ -122,6 +122,10 @@ def add_bench_parser(commands: Any) -> None:
                    help="saturating regime: requests in flight (default 16)")
     p.add_argument("--trace", type=Path, default=None, metavar="TRACE",
                    help="Mooncake trace for 'bundled' traffic (default the bundled one)")
+    p.add_argument("--record", action="store_true",
+                   help=f"kvtier's servers record the requests they serve in "
+                   f"OUT/{serving.TRACES_DIR}/RUN.jsonl (trace_path), to replay the "
+                   "same stream in the lab with kvtier replay")
     p.add_argument("--resume", action="store_true",
                    help="keep the runs of OUT/runs.jsonl (made with the same settings); "
                    "without it they are moved aside to runs.jsonl.N")
@@ -219,7 +223,8 @@ def settings_from(args: argparse.Namespace, build_model: bool = True,
     return serving.BenchSettings(
         model=model, out=args.out, gpu_blocks=args.gpu_blocks,
         requests=args.requests, repeats=args.repeats, speedup=args.speedup,
-        concurrency=args.concurrency, trace=args.trace, **chosen)
+        concurrency=args.concurrency, trace=args.trace,
+        record=bool(getattr(args, "record", False)), **chosen)
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:

@@ -65,6 +65,8 @@ MAX_MODEL_LEN = 8192
 """The servers' context length, unless a trace needs more (``fit_model_len``):
 the longest scaled prompt of the bundled trace is 7,699 tokens (+ output)."""
 RUNS_FILE = "runs.jsonl"
+TRACES_DIR = "served"
+"""Under ``--out``: the traces kvtier's servers recorded (``--record``)."""
 SETTINGS_FILE = "settings.json"
 """Beside ``RUNS_FILE``: the settings its runs were made with (``run_settings``)."""
 RUN_SETTINGS = {
@@ -102,6 +104,9 @@ class BenchSettings:
     ready_timeout_s: float = 300.0
     max_model_len: int = MAX_MODEL_LEN
     """Servers' context length; ``run_all`` raises it to fit the traces."""
+    record: bool = False
+    """Each kvtier server records what it served (``trace_path``) in
+    ``out/TRACES_DIR/RUN.jsonl``, for ``kvtier replay`` of the same stream."""
 
 
 @dataclass(frozen=True)
@@ -203,8 +208,9 @@ def check_config(config: str) -> str:
 
 
 def server_argv(s: BenchSettings, config: str, cpu_bytes: int, port: int,
-                disk_dir: Path) -> list[str]:
-    """The command starting ``config``'s server."""
+                disk_dir: Path, record_to: Path | None = None) -> list[str]:
+    """The command starting ``config``'s server; a kvtier server records the
+    requests it serves in ``record_to`` when given (vLLM's manager cannot)."""
     model = str(s.model)
     engine = engine_flags(s.gpu_blocks, port, s.seed, max_model_len=s.max_model_len)
     if config == BASELINE:
@@ -221,6 +227,8 @@ def server_argv(s: BenchSettings, config: str, cpu_bytes: int, port: int,
     if tier == "disk":
         flags += ["--disk-path", str(disk_dir),
                   "--disk-bytes", str(s.disk_blocks * block_bytes())]
+    if record_to is not None:
+        flags += ["--kvtier", f"trace_path={record_to}"]
     return kvtier_serve_argv(s.model, cpu_bytes, flags, engine)
 
 
@@ -265,6 +273,18 @@ def client_argv(s: BenchSettings, scenario: Scenario, trace: Path, url: str,
     return vllm_command(argv)
 
 
+def recording_path(s: BenchSettings, config: str, name: str) -> Path | None:
+    """Where run ``name`` records what it serves (``--record``; kvtier servers
+    only), a file of a previous run of the same name moved aside to ``.N``."""
+    if not s.record or config in (BASELINE, PEER):
+        return None
+    path = s.out / TRACES_DIR / f"{name}.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if move_aside(path) is None:
+        path.unlink(missing_ok=True)  # empty: a run that recorded nothing
+    return path
+
+
 def run_one(s: BenchSettings, config: str, scenario: Scenario, repeat: int,
             trace: Path, work: Path) -> RunResult:
     """Start ``config``'s server, replay ``trace`` against it, stop it; the figures."""
@@ -275,8 +295,10 @@ def run_one(s: BenchSettings, config: str, scenario: Scenario, repeat: int,
     name = f"{config}-{scenario.traffic}-{scenario.regime}-{scenario.cpu_blocks}-r{repeat}"
     port = free_port()
     cpu_bytes = scenario.cpu_blocks * block_bytes()
+    record_to = recording_path(s, config, name)
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-disk-") as disk_dir:
-        server = ServerProcess(server_argv(s, config, cpu_bytes, port, Path(disk_dir)), port,
+        server = ServerProcess(server_argv(s, config, cpu_bytes, port, Path(disk_dir),
+                                           record_to), port,
                                work / "logs" / f"{name}.server.log", env=server_env(),
                                ready_timeout_s=s.ready_timeout_s)
         start = time.monotonic()
