@@ -91,6 +91,8 @@ def test_an_existing_or_unwritable_path_is_refused(tmp_path: Path) -> None:
     with pytest.raises(R.TraceRecorderError, match="exists: a trace is never overwritten"):
         R.TraceRecorder(tmp_path / "old.jsonl")
     assert (tmp_path / "old.jsonl").read_text() == "keep me\n"
+    (tmp_path / "empty.jsonl").touch()  # left by a start that failed: taken over
+    R.TraceRecorder(tmp_path / "empty.jsonl").close()
     with pytest.raises(R.TraceRecorderError, match="cannot create it"):
         R.TraceRecorder(tmp_path / "no-such-dir" / "t.jsonl")
     with pytest.raises(ValueError, match="max_requests must be an int >= 1"):

@@ -38,6 +38,7 @@ import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
+from typing import IO
 
 from kvtier.errors import KVTierError
 from kvtier.keys import key_group, key_hash
@@ -89,7 +90,7 @@ class TraceRecorder:
     """Writes finished requests as Mooncake lines to a new file (see the module).
 
     Owns the file (created here, never overwritten: ``TraceRecorderError``
-    when it exists or cannot be made), a queue of at most ``MAX_QUEUED``
+    when it exists, unless empty, or cannot be made), a queue of at most ``MAX_QUEUED``
     requests and the writer thread that empties it. Invariants: at most
     ``max_requests`` lines are written; ``record`` never blocks; after a write
     error or ``close`` nothing more is written. ``stats()``: recorded,
@@ -103,14 +104,7 @@ class TraceRecorder:
             raise ValueError(f"max_requests must be an int >= 1, got {max_requests!r}")
         self.path = Path(str(path).replace(PID_FIELD, str(os.getpid())))
         self.max_requests = max_requests
-        try:
-            self._file = self.path.open("x", encoding="utf-8")
-        except FileExistsError:
-            raise TraceRecorderError(f"trace_path {self.path} exists: a trace is never "
-                                     "overwritten; remove it or give a new path") from None
-        except OSError as exc:
-            raise TraceRecorderError(f"trace_path {self.path}: cannot create it: "
-                                     f"{exc.strerror or exc}") from None
+        self._file = self._create()
         self._start = time.monotonic()
         self._queue: queue.Queue[tuple[float, Positions] | None] = queue.Queue(MAX_QUEUED)
         self._accepted = 0
@@ -121,6 +115,21 @@ class TraceRecorder:
                                         daemon=True)
         self._thread.start()
         logger.info("kvtier: recording requests to %s (at most %d)", self.path, max_requests)
+
+    def _create(self) -> IO[str]:
+        """The new trace file; an empty one is taken over (a start that failed
+        after creating it holds nothing), any other never overwritten."""
+        mode = "x"
+        if self.path.is_file():
+            if self.path.stat().st_size:
+                raise TraceRecorderError(f"trace_path {self.path} exists: a trace is never "
+                                         "overwritten; remove it or give a new path")
+            mode = "a"
+        try:
+            return self.path.open(mode, encoding="utf-8")
+        except OSError as exc:
+            raise TraceRecorderError(f"trace_path {self.path}: cannot create it: "
+                                     f"{exc.strerror or exc}") from None
 
     def now_ms(self) -> float:
         """Milliseconds since the recorder opened: a request's arrival stamp."""

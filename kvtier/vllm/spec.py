@@ -138,6 +138,7 @@ class KVTierSpec(OffloadingSpec):
     def get_manager(self) -> OffloadingManager:
         if self._manager is None:
             s = self.settings
+            recorder = self._recorder()  # first: a bad trace_path stops nothing started
             manager = OffloadManager(
                 self.num_slots,
                 policy=s.eviction_policy,
@@ -149,8 +150,7 @@ class KVTierSpec(OffloadingSpec):
                 max_leased_blocks=s.max_leased_blocks,
                 lease_timeout_s=s.lease_timeout_s,
             )
-            self._manager = KVTierOffloadingManager(manager, self._cascade(manager),
-                                                    self._recorder())
+            self._manager = KVTierOffloadingManager(manager, self._cascade(manager), recorder)
             self._log_tiers()
         return self._manager
 
