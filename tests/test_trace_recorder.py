@@ -28,7 +28,7 @@ def test_a_line_lists_the_blocks_in_prefix_order_whatever_order_they_came_in() -
     assert line is not None
     obj = json.loads(line)
     ids = [R.trace_hash_id(key_hash(block_key(h))) for h in (11, 12, 13)]
-    assert obj == {"timestamp": 8, "input_length": 96, "output_length": 0, "hash_ids": ids}
+    assert obj == {"timestamp": 8, "input_length": 3 * 512, "output_length": 0, "hash_ids": ids}
     assert len(set(ids)) == 3 and all(0 <= i < 1 << 64 for i in ids)
     # another KV-cache group's keys of the same blocks add no block
     assert R.trace_line(7.6, keys + positions([11, 12, 13], group=1)) == line
@@ -43,7 +43,7 @@ def test_the_recorder_writes_a_trace_the_reader_takes(tmp_path: Path) -> None:
     rec.close()
     got = load_trace(tmp_path / "t.jsonl")
     assert [r.timestamp for r in got] == [0, 5]
-    assert [r.input_length for r in got] == [96, 128]
+    assert [r.input_length for r in got] == [3 * 512, 4 * 512]  # Mooncake's blocks
     assert got[0].hash_ids[:2] == got[1].hash_ids[:2] and got[0].hash_ids[2] != got[1].hash_ids[2]
     assert rec.stats() == {"recorded": 2, "dropped": 0, "stopped": True}
 

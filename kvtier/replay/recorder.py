@@ -6,7 +6,11 @@ engine (``trace_path`` in the config). One JSON line per finished request,
 the format :mod:`kvtier.replay.trace` reads:
 
 * ``timestamp``: its arrival at the scheduler, in ms since the recorder opened;
-* ``input_length``: the tokens of its full blocks (the end of the last one);
+* ``input_length``: 512 tokens per full block, Mooncake's block
+  (``MOONCAKE_BLOCK_TOKENS``): the views that serve a trace as an engine
+  does (``kvtier replay --gpu-blocks``, ``kvtier bench serve --trace``) map
+  one Mooncake block to one engine block, so the engine's own block of
+  ``block_size`` tokens is recorded as one; the partial last block is not;
 * ``output_length``: 0, not recorded (``kvtier replay`` does not read it);
 * ``hash_ids``: one 64-bit BLAKE2b digest of each full block's hash, in
   prefix order, the blocks the engine's own cache served included, so that
@@ -42,6 +46,7 @@ from typing import IO
 
 from kvtier.errors import KVTierError
 from kvtier.keys import key_group, key_hash
+from kvtier.replay.trace import MOONCAKE_BLOCK_TOKENS
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +85,7 @@ def trace_line(arrival_ms: float, positions: Positions) -> str | None:
     ordered = sorted((pos, key) for key, pos in positions if key_group(key) == group)
     return json.dumps({
         "timestamp": round(arrival_ms),
-        "input_length": ordered[-1][0],
+        "input_length": len(ordered) * MOONCAKE_BLOCK_TOKENS,
         "output_length": 0,
         "hash_ids": [trace_hash_id(key_hash(key)) for _, key in ordered],
     }, separators=(",", ":"))
