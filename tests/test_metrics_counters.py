@@ -138,6 +138,24 @@ def test_policy_switches_before_a_cache_reset_are_not_lost() -> None:
     assert adapter.manager.stats()["policy_switches"] == 6
 
 
+def test_the_trace_recorders_counts_are_counters_while_it_records(tmp_path: Path) -> None:
+    from kvtier import block_key
+    from kvtier.replay.recorder import TraceRecorder
+    from kvtier.vllm.adapter import KVTierOffloadingManager
+
+    plain = KVTierOffloadingManager(OffloadManager(64)).get_stats().data["data"]
+    assert "vllm:kvtier_trace_recorded" not in plain
+    recorder = TraceRecorder(tmp_path / "t.jsonl")
+    adapter = KVTierOffloadingManager(OffloadManager(64), recorder=recorder)
+    for i in range(3):
+        recorder.record(float(i), [(block_key(i), 32)])
+    adapter.shutdown()  # closes the recorder: every queued request written
+    stats = adapter.get_stats()
+    assert _counter(stats, "vllm:kvtier_trace_recorded") == 3
+    assert "vllm:kvtier_trace_dropped" in stats.data["data"]
+    assert _counter(stats, "vllm:kvtier_trace_dropped") == 0
+
+
 def test_a_plug_in_policys_counter_that_restarts_is_still_read_as_a_restart() -> None:
     """The restart handling stays for policy counters only (a plug-in policy
     may start its ``switches`` again at ``clear()``); kvtier's own totals

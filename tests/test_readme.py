@@ -156,7 +156,7 @@ def named_metrics(text: str, prefix: str) -> list[tuple[str, str]]:
 def test_the_readme_lists_every_kvtier_metric_with_its_type() -> None:
     from kvtier.vllm import metrics as M
 
-    counters = {*M.COUNTERS, *M.TIER_COUNTERS, *M.POLICY_COUNTERS,
+    counters = {*M.COUNTERS, *M.TIER_COUNTERS, *M.POLICY_COUNTERS, *M.TRACE_COUNTERS,
                 *("tier_" + name for name in M.PER_TIER_COUNTERS)}
     gauges = {*M.GAUGES, *M.POLICY_GAUGES, "tier_available"}
     defined = {M.METRIC_PREFIX + n: "counter" for n in counters}

@@ -217,6 +217,9 @@ class KVTierOffloadingManager(OffloadingManager):
         if self.cascade is not None:
             stats.update(self.cascade.stats())
             tiers = self.cascade.tier_stats()
+        if self.recorder is not None:
+            stats["trace_recorded"] = self.recorder.recorded
+            stats["trace_dropped"] = self.recorder.dropped
         return fill_stats(stats, self.manager.num_blocks, self._reported, tiers,
                           self._allocation_sizes, self.manager.store_threshold)
 

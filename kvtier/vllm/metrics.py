@@ -96,6 +96,13 @@ POLICY_COUNTERS = {
 """Counters of the eviction policy (``manager.stats()``'s ``policy_*`` fields), reported
 when the policy has them."""
 
+TRACE_COUNTERS = {
+    "trace_recorded": "Finished requests written to the trace file (trace_path).",
+    "trace_dropped": "Finished requests left out of the trace because its writer "
+                     "fell behind (its queue full).",
+}
+"""Counters of the trace recorder, reported while one records (``trace_path``)."""
+
 POLICY_GAUGES = {
     "policy_history_factor": "The adaptive policy's frequency history, in multiples of "
                              "the capacity.",
@@ -124,7 +131,8 @@ def metric_definitions(extra_config: dict[str, Any] | None = None) -> dict[str, 
         dict(extra_config or {})))
     defs.update({
         METRIC_PREFIX + name: OffloadingCounterMetadata(documentation=doc)
-        for name, doc in {**COUNTERS, **TIER_COUNTERS, **POLICY_COUNTERS}.items()
+        for name, doc in {**COUNTERS, **TIER_COUNTERS, **POLICY_COUNTERS,
+                          **TRACE_COUNTERS}.items()
     })
     defs.update(
         {METRIC_PREFIX + name: OffloadingGaugeMetadata(documentation=doc)
@@ -160,7 +168,7 @@ def fill_stats(
 
     out = OffloadingConnectorStats()
     _vllm_cpu_stats(out, stats, num_blocks, reported, allocation_sizes or [], store_threshold)
-    for name in (*COUNTERS, *(n for n in TIER_COUNTERS if n in stats)):
+    for name in (*COUNTERS, *(n for n in (*TIER_COUNTERS, *TRACE_COUNTERS) if n in stats)):
         _count(out, reported, name, stats[name])
     for name in (n for n in POLICY_COUNTERS if n in stats):
         _count(out, reported, name, stats[name], restarts=True)
