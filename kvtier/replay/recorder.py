@@ -95,17 +95,18 @@ class TraceRecorder:
     """Writes finished requests as Mooncake lines to a new file (see the module).
 
     Owns the file (created here, never overwritten: ``TraceRecorderError``
-    when it exists, unless empty, or cannot be made), a queue of at most ``MAX_QUEUED``
-    requests and the writer thread that empties it. Invariants: at most
-    ``max_requests`` lines are written; ``record`` never blocks; after a write
+    when it exists, unless empty, or cannot be made), a queue of at most
+    ``MAX_QUEUED`` requests and the writer thread that empties it.
+    Invariants: at most ``max_requests`` lines are written (requests with no
+    full block count for none); ``record`` never blocks; after a write
     error or ``close`` nothing more is written. ``stats()``: recorded,
     dropped (queue full), and whether it stopped.
     """
 
-    def __init__(self, path: str | os.PathLike[str], max_requests: int = DEFAULT_MAX_REQUESTS,
-                 ) -> None:
-        if isinstance(max_requests, bool) or not isinstance(max_requests, int) \
-                or max_requests < 1:
+    def __init__(self, path: str | os.PathLike[str],
+                 max_requests: int = DEFAULT_MAX_REQUESTS) -> None:
+        if isinstance(max_requests, bool) or not isinstance(max_requests, int) or (
+                max_requests < 1):
             raise ValueError(f"max_requests must be an int >= 1, got {max_requests!r}")
         self.path = Path(str(path).replace(PID_FIELD, str(os.getpid())))
         self.max_requests = max_requests
@@ -144,8 +145,11 @@ class TraceRecorder:
         """Queue one finished request (its keys with their end-token positions)."""
         if self.stopped or self._accepted >= self.max_requests:
             return
+        items = list(positions)
+        if not items:  # no full block: nothing to replay
+            return
         try:
-            self._queue.put_nowait((arrival_ms, list(positions)))
+            self._queue.put_nowait((arrival_ms, items))
         except queue.Full:
             self.dropped += 1
             if self.dropped == 1:
