@@ -224,7 +224,7 @@ def settings_from(args: argparse.Namespace, build_model: bool = True,
         model=model, out=args.out, gpu_blocks=args.gpu_blocks,
         requests=args.requests, repeats=args.repeats, speedup=args.speedup,
         concurrency=args.concurrency, trace=args.trace,
-        record=bool(getattr(args, "record", False)), **chosen)
+        record=args.record, **chosen)
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:

@@ -51,8 +51,8 @@ from kvtier.replay.trace import MOONCAKE_BLOCK_TOKENS
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_REQUESTS = 100_000
-"""Lines a recorder writes before it stops: about 100 MB of trace for requests
-of 100 blocks (20 digits per id)."""
+"""Lines a recorder writes before it stops: about 200 MB of trace for requests
+of 100 blocks (about 21 bytes per id: up to 20 digits and a comma)."""
 MAX_QUEUED = 256
 """Finished requests waiting for the writer thread; more are dropped (counted)."""
 CLOSE_TIMEOUT_S = 5.0

@@ -559,10 +559,10 @@ class DiskTier(Tier):
 
     def _forget_unless_replaced(self, key: bytes, bad: os.stat_result | None) -> bool:
         """Drop ``key`` from the index, unless its path now holds a file other
-        than ``bad`` (None: any file). Checked under the
-        lock: another thread may have stored the key again since the read, and
-        forgetting that store would leave its file on disk, in no index, its
-        bytes outside ``capacity_bytes`` until a rescan."""
+        than ``bad`` (None: any file). Checked under the lock: another thread
+        may have stored the key again since the read, and forgetting that
+        store would leave its file on disk in no index, its bytes outside
+        ``capacity_bytes`` until a rescan."""
         path = self.dir.file(key)
         with self._lock:
             try:
