@@ -7,7 +7,7 @@
                   [--preempt P] [--seed N] [--disk-blocks N]
                   [--disk-store-threshold K[,K...]] [--disk-write-policy store|evict[,...]]
                   [--limit-requests M] [--gpu-blocks N] [--gpu-batch-tokens N]
-                  [--key-seed S]
+                  [--key-seed S[,S...]]
     kvtier generate KIND [--seed N] [--requests M] -o OUT.jsonl
     kvtier demo [--conversations N] [--turns N] [--repeats N] [--cpu-bytes B]
                 [--model-dir DIR] [--json]
@@ -41,7 +41,6 @@ from kvtier.argtypes import (
     int_list,
     known_name_list,
     name_list,
-    non_negative_int,
     positive_int,
 )
 from kvtier.atomic_files import atomic_path
@@ -53,6 +52,7 @@ from kvtier.replay.driver import BOUNDS, ReplayResult, bound_results, replay, tr
 from kvtier.replay.engine import EngineConfig, replay_engine
 from kvtier.replay.generate import KINDS, generate, write_trace
 from kvtier.replay.rekey import rekeyed
+from kvtier.replay.seeds import SeedSummary, key_seed_list, median_results, seeds_label, summarize
 from kvtier.replay.trace import BUNDLED_TRACE, TraceRequest, load_requests
 
 if TYPE_CHECKING:
@@ -138,11 +138,13 @@ def _add_replay(commands: Any) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--limit-requests", type=positive_int, default=None, metavar="M",
                    help="replay only the first M requests of the trace")
-    p.add_argument("--key-seed", type=non_negative_int, default=0, metavar="S",
+    p.add_argument("--key-seed", type=key_seed_list, default=[0], metavar="S[,S...]",
                    help="replay the trace under other block hashes (default 0: its own): "
                    "the default policy's shadow caches sample blocks by their hash, so "
                    "each S >= 1 is another draw of that sample, as another deployment's "
-                   "block hashes are (kvtier.replay.rekey)")
+                   "block hashes are (kvtier.replay.rekey); several seeds or a range "
+                   "(0-7) add a key-seed column and the median over them, each policy "
+                   "against the first one under the same seed")
     _add_replay_driver_options(p)
     _add_replay_disk_options(p)
     _add_replay_gpu_options(p)
@@ -302,66 +304,99 @@ def cmd_serve(args: argparse.Namespace) -> int:
 # -- output ----------------------------------------------------------------------
 
 
-TABLE_COLUMNS = ("policy", "capacity", "threshold", "hit ratio", "stores", "evictions", "us/key")
+SEED_COLUMN = "key seed"
+"""The first column's title when several key seeds run."""
 
 
-class Table:
-    """Aligned text rows, widths fixed up front so rows print as runs finish."""
+class _Columns:
+    """Aligned text rows under ``columns``, widths fixed up front so rows print
+    as runs finish; a leading key-seed column when several key seeds run, and
+    the summary over them (``kvtier.replay.seeds``)."""
 
-    def __init__(self, policies: Sequence[str], capacities: Sequence[int],
-                 thresholds: Sequence[int], max_count: int) -> None:
-        values = (
-            max(map(len, policies)), len(str(max(capacities))), len(str(max(thresholds))),
-            6, len(str(max_count)), len(str(max_count)), 8,
-        )
-        self.widths = [max(len(h), v) for h, v in zip(TABLE_COLUMNS, values, strict=True)]
+    columns: tuple[str, ...] = ()
+
+    def __init__(self, values: Sequence[int], key_seeds: Sequence[int]) -> None:
+        self.seed_width = (max(len(SEED_COLUMN), len(str(max(key_seeds))))
+                           if len(key_seeds) > 1 else 0)
+        self.widths = [max(len(h), v) for h, v in zip(self.columns, values, strict=True)]
 
     def header(self) -> str | None:
         """Column titles."""
-        first, *rest = zip(TABLE_COLUMNS, self.widths, strict=True)
-        return "  ".join([first[0].ljust(first[1])] + [h.rjust(w) for h, w in rest])
+        return self._line(self.columns[0], self.columns[1:], SEED_COLUMN)
 
-    def row(self, r: ReplayResult) -> str:
-        """One result, hit ratio to 4 decimals."""
+    def _line(self, first: str, cells: Sequence[str], seed: str) -> str:
+        line = _aligned(first, cells, self.widths)
+        return f"{seed.rjust(self.seed_width)}  {line}" if self.seed_width else line
+
+    def summary(self, summaries: Sequence[SeedSummary]) -> list[str]:
+        """The median over the key seeds: a title, column titles, one line each."""
+        s0 = summaries[0]
+        titles = ["policy", "capacity", "threshold", "median", "min", "max",
+                  f"x {s0.baseline}", "min", "max"]
+        rows = [[s.policy, str(s.capacity), str(s.store_threshold), f"{s.hit_ratio:.4f}",
+                 f"{s.hit_ratio_min:.4f}", f"{s.hit_ratio_max:.4f}",
+                 *(_times(v) for v in (s.vs_baseline, s.vs_min, s.vs_max))]
+                for s in summaries]
+        widths = [max(len(t), *(len(row[i]) for row in rows)) for i, t in enumerate(titles)]
+        return [f"median over key seeds {seeds_label(s0.key_seeds)}; x {s0.baseline}: "
+                f"the hit ratio over {s0.baseline}'s under the same seed",
+                *(_aligned(row[0], row[1:], widths) for row in [titles, *rows])]
+
+
+def _aligned(first: str, cells: Sequence[str], widths: Sequence[int]) -> str:
+    """``first`` left-aligned, ``cells`` right-aligned, to ``widths``."""
+    return "  ".join([first.ljust(widths[0])] + [
+        c.rjust(w) for c, w in zip(cells, widths[1:], strict=True)])
+
+
+def _times(ratio: float | None) -> str:
+    """A ratio to another policy's hit ratio, or '-' where it had none."""
+    return "-" if ratio is None else f"{ratio:.3f}"
+
+
+class Table(_Columns):
+    """One replay per line: hit ratio, stores, evictions, manager time per key."""
+
+    columns = ("policy", "capacity", "threshold", "hit ratio", "stores", "evictions",
+               "us/key")
+
+    def __init__(self, policies: Sequence[str], capacities: Sequence[int],
+                 thresholds: Sequence[int], max_count: int,
+                 key_seeds: Sequence[int] = (0,)) -> None:
+        super().__init__((max(map(len, policies)), len(str(max(capacities))),
+                          len(str(max(thresholds))), 6, len(str(max_count)),
+                          len(str(max_count)), 8), key_seeds)
+
+    def row(self, r: ReplayResult, seed: int | None = None) -> str:
+        """One result, hit ratio to 4 decimals (``seed`` None: a bound's, any seed)."""
         us = "-" if r.policy in BOUNDS else f"{r.us_per_key:.3f}"
         cells = (str(r.capacity), str(r.store_threshold), f"{r.hit_ratio:.4f}",
                  str(r.stores), str(r.evictions), us)
-        w = self.widths
-        padded = [c.rjust(x) for c, x in zip(cells, w[1:], strict=True)]
-        return "  ".join([r.policy.ljust(w[0]), *padded])
+        return self._line(r.policy, cells, "-" if seed is None else str(seed))
 
 
-GPU_COLUMNS = ("policy", "capacity", "threshold", "cpu-tier hit", "engine hit", "combined",
-               "stores", "evictions", "us/key")
-
-
-class GpuTable:
+class GpuTable(_Columns):
     """``--gpu-blocks`` rows: kvtier's CPU-tier hit ratio behind the engine cache,
     the engine cache's own and the combined one; widths fixed up front."""
 
+    columns = ("policy", "capacity", "threshold", "cpu-tier hit", "engine hit", "combined",
+               "stores", "evictions", "us/key")
+
     def __init__(self, policies: Sequence[str], capacities: Sequence[int],
-                 thresholds: Sequence[int], max_count: int) -> None:
-        values = (max(map(len, policies)), len(str(max(capacities))),
-                  len(str(max(thresholds))), 6, 6, 6, len(str(max_count)),
-                  len(str(max_count)), 8)
-        self.widths = [max(len(h), v) for h, v in zip(GPU_COLUMNS, values, strict=True)]
+                 thresholds: Sequence[int], max_count: int,
+                 key_seeds: Sequence[int] = (0,)) -> None:
+        super().__init__((max(map(len, policies)), len(str(max(capacities))),
+                          len(str(max(thresholds))), 6, 6, 6, len(str(max_count)),
+                          len(str(max_count)), 8), key_seeds)
 
-    def header(self) -> str | None:
-        """Column titles."""
-        w = self.widths
-        return "  ".join([GPU_COLUMNS[0].ljust(w[0])] + [
-            h.rjust(x) for h, x in zip(GPU_COLUMNS[1:], w[1:], strict=True)])
-
-    def row(self, r: ReplayResult) -> str:
-        """One result, ratios to 4 decimals."""
+    def row(self, r: ReplayResult, seed: int | None = None) -> str:
+        """One result, ratios to 4 decimals (``seed`` None: a bound's, any seed)."""
         gpu_ratio = getattr(r, "gpu_hit_ratio", 0.0)
         combined = getattr(r, "combined_hit_ratio", r.hit_ratio)
         us = "-" if r.policy in BOUNDS else f"{r.us_per_key:.3f}"
         cells = (str(r.capacity), str(r.store_threshold), f"{r.hit_ratio:.4f}",
                  f"{gpu_ratio:.4f}", f"{combined:.4f}", str(r.stores), str(r.evictions), us)
-        w = self.widths
-        return "  ".join([r.policy.ljust(w[0])] + [
-            c.rjust(x) for c, x in zip(cells, w[1:], strict=True)])
+        return self._line(r.policy, cells, "-" if seed is None else str(seed))
 
 
 # -- replay command ------------------------------------------------------------
@@ -388,22 +423,27 @@ class JsonLines:
         """JSON lines have no header."""
         return None
 
-    def row(self, r: ReplayResult) -> str:
-        """The result's fields and the trace path as one JSON object."""
-        return json.dumps({**r.to_dict(), "trace": self.trace})
+    def row(self, r: ReplayResult, seed: int | None = None) -> str:
+        """The result's fields, its key seed (None: a bound's, the same under
+        every seed) and the trace path as one JSON object."""
+        return json.dumps({**r.to_dict(), "key_seed": seed, "trace": self.trace})
+
+    def summary(self, summaries: Sequence[SeedSummary]) -> list[str]:
+        """One object per summary over the key seeds, ``"summary": "key_seeds"``."""
+        return [json.dumps({"summary": "key_seeds", **s.to_dict(), "trace": self.trace})
+                for s in summaries]
 
 
 def _formatter(args: argparse.Namespace, path: Path,
-               keys: list[list[bytes]]) -> Table | GpuTable | JsonLines:
-    """JSON lines with ``--json``, else an aligned table."""
+               offered: int) -> Table | GpuTable | JsonLines:
+    """JSON lines with ``--json``, else an aligned table (``offered``: the
+    trace's blocks, the widest count)."""
     if args.json:
         return JsonLines(path)
-    offered = sum(map(len, keys))
     names = [*args.policy, *(BOUNDS if args.bounds else ())]
     capacities = [*args.capacity, *([offered] if "infinite" in names else [])]
-    if args.gpu_blocks is not None:
-        return GpuTable(names, capacities, args.store_threshold, offered)
-    return Table(names, capacities, args.store_threshold, offered)
+    table = GpuTable if args.gpu_blocks is not None else Table
+    return table(names, capacities, args.store_threshold, offered, args.key_seed)
 
 
 MANAGER_BYTES_PER_SLOT = 40
@@ -431,7 +471,8 @@ def check_sizes_fit(capacity: int | None = None, gpu_blocks: int | None = None,
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    """Run every policy x capacity x threshold over the trace and print the results."""
+    """Run every policy x capacity x threshold over the trace, under each key
+    seed, and print the results (and their medians over several seeds)."""
     check_policies(args.policy)
     check_sizes_fit(max(args.capacity), args.gpu_blocks)
     _check_engine_options(args)
@@ -442,43 +483,70 @@ def cmd_replay(args: argparse.Namespace) -> int:
     _check_plot(args)
     path: Path = args.trace if args.trace is not None else BUNDLED_TRACE
     loaded = load_requests(path, args.limit_requests, not args.no_progress)
-    try:
-        trace = rekeyed(loaded, args.key_seed)
-    except ValueError as exc:  # two hash ids landed on one: only this seed's fault
-        raise CommandError(f"--key-seed: {exc}") from None
-    keys = trace_keys(trace)
     policies = [p for p in args.policy if p not in BOUNDS]
-    served = _check_gpu_blocks(args, trace, path) if args.gpu_blocks is not None else None
     if args.disk_blocks is not None:
+        keys = trace_keys(_rekeyed(loaded, args.key_seed[0]))
         return _cmd_replay_tiered(args, path, keys, policies)
-    bounds = [b for b in BOUNDS if b in args.policy or args.bounds]
-    grid = list(itertools.product(policies, args.capacity, args.store_threshold))
-    out = _formatter(args, path, keys)
-    progress = make_progress((len(grid) + bool(bounds)) * len(keys), not args.no_progress)
-    results: list[ReplayResult] = []
-    try:
-        header = out.header()
-        if header is not None:
-            progress.write(header)
-        for policy, capacity, threshold in grid:
-            progress.describe(f"{policy} {capacity} k={threshold}")
-            results.append(_run_one(args, keys, policy, capacity, threshold, progress,
-                                    served))
-            progress.write(out.row(results[-1]))
-        if bounds:
-            progress.describe("bounds")
-            rows = _bound_rows(args, keys, bounds, served)
-            progress.update(len(keys))
-            for row in rows:
-                results.append(row)
-                progress.write(out.row(row))
-    finally:
-        progress.close()
+    results = _replay_seeds(args, path, loaded, policies)
     if args.plot is not None:
-        _plot(results, args.plot, path)
+        _plot(results, args.plot, path, args.key_seed, policies)
     return 0
 
 
+def _rekeyed(trace: Sequence[TraceRequest], seed: int) -> list[TraceRequest]:
+    """``trace`` under key seed ``seed``; ``CommandError`` when two of its hash
+    ids land on one (only this seed's fault)."""
+    try:
+        return rekeyed(trace, seed)
+    except ValueError as exc:
+        raise CommandError(f"--key-seed: {exc}") from None
+
+
+def _replay_seeds(args: argparse.Namespace, path: Path, loaded: Sequence[TraceRequest],
+                  policies: list[str]) -> list[tuple[int | None, ReplayResult]]:
+    """Replay the grid under each key seed, printing rows as they finish, then
+    the bounds (once: no seed changes them) and, for several seeds, the
+    medians; return ``(seed, result)`` pairs (seed None for a bound)."""
+    bounds = [b for b in BOUNDS if b in args.policy or args.bounds]
+    grid = list(itertools.product(policies, args.capacity, args.store_threshold))
+    seeds: list[int] = args.key_seed
+    progress = make_progress((len(seeds) * len(grid) + bool(bounds)) * len(loaded),
+                             not args.no_progress)
+    results: list[tuple[int | None, ReplayResult]] = []
+    bound_rows: list[ReplayResult] = []
+    out = _formatter(args, path, sum(len(r.hash_ids) for r in loaded))
+    try:
+        for seed in seeds:
+            trace = _rekeyed(loaded, seed)
+            keys = trace_keys(trace)
+            served = _check_gpu_blocks(args, trace, path) if args.gpu_blocks is not None else None
+            if seed == seeds[0] and (header := out.header()) is not None:
+                progress.write(header)  # after the checks: an error prints no table
+            label = f"seed {seed}: " if len(seeds) > 1 else ""
+            for policy, capacity, threshold in grid:
+                progress.describe(f"{label}{policy} {capacity} k={threshold}")
+                r = _run_one(args, keys, policy, capacity, threshold, progress, served)
+                results.append((seed, r))
+                progress.write(out.row(r, seed))
+            if bounds and not bound_rows:
+                progress.describe("bounds")
+                bound_rows = _bound_rows(args, keys, bounds, served)
+                progress.update(len(keys))
+        for row in bound_rows:
+            results.append((None, row))
+            progress.write(out.row(row))
+        if len(seeds) > 1 and policies:
+            for line in out.summary(_summaries(results, policies[0])):
+                progress.write(line)
+    finally:
+        progress.close()
+    return results
+
+
+def _summaries(results: Sequence[tuple[int | None, ReplayResult]],
+               baseline: str) -> list[SeedSummary]:
+    """The policies' medians over the key seeds, each against ``baseline``."""
+    return summarize([(seed, r) for seed, r in results if seed is not None], baseline)
 TIERED_COLUMNS = ("policy", "capacity", "disk", "threshold", "disk k", "write", "hit ratio",
                   "cpu hit", "disk hit", "disk writes", "seconds")
 
@@ -631,6 +699,8 @@ def _check_disk_options(args: argparse.Namespace) -> None:
             or any(name in BOUNDS for name in args.policy)):
         raise CommandError("--disk-blocks runs the sequential driver over real policies "
                            "only (no --driver engine, --bounds, --plot, opt or infinite)")
+    if len(args.key_seed) > 1:
+        raise CommandError("--disk-blocks replays under one --key-seed at a time")
     if args.block_bytes is not None:  # its rows have no bytes_written to scale
         raise CommandError("--block-bytes does not apply to --disk-blocks (its rows count "
                            "disk_writes in blocks)")
@@ -684,15 +754,27 @@ def _check_plot(args: argparse.Namespace) -> None:
         raise CommandError(str(exc)) from None
 
 
-def _plot(results: list[ReplayResult], out: Path, trace: Path) -> None:
-    """Plot ``results`` to ``out`` (checked by ``_check_plot``) and say so."""
+def _plot(results: Sequence[tuple[int | None, ReplayResult]], out: Path, trace: Path,
+          seeds: Sequence[int], policies: list[str]) -> None:
+    """Plot ``results`` to ``out`` (checked by ``_check_plot``) and say so: with
+    several key seeds, each policy's median and its range over them."""
     from kvtier.replay.plot import PlotError, plot_results
 
-    gpu = getattr(results[0], "gpu_blocks", 0) if results else 0
+    rows = [r for _, r in results]
+    spread: dict[tuple[str, int, int], tuple[float, float]] = {}
+    if len(seeds) > 1 and policies:
+        summaries = _summaries(results, policies[0])
+        per_seed = [(seed, r) for seed, r in results if seed is not None]
+        rows = [*median_results(per_seed, summaries), *(r for s, r in results if s is None)]
+        spread = {(s.policy, s.capacity, s.store_threshold): (s.hit_ratio_min, s.hit_ratio_max)
+                  for s in summaries}
+    gpu = getattr(rows[0], "gpu_blocks", 0) if rows else 0
     title = (f"CPU-tier hit ratio behind a {gpu:,}-block engine cache, {trace.name}" if gpu
              else f"prefix-hit ratio, {trace.name}")
+    if spread:
+        title += f"\nmedian over key seeds {seeds_label(seeds)}, shaded: their range"
     try:
-        plot_results(results, out, title=title)
+        plot_results(rows, out, title=title, spread=spread)
     except PlotError as exc:
         raise CommandError(str(exc)) from None
     print(f"{PROG}: wrote plot {out}", file=sys.stderr)

@@ -1,6 +1,6 @@
 """The policy benchmarks run and say what they claim (benchmarks/admission_oracles.py,
 bench_policy_cost.py, bench_adaptive_parts.py, count_policy_instructions.py,
-policy_variants.py, reference_policies.py, group_gaps.py, key_seed_spread.py,
+policy_variants.py, reference_policies.py, group_gaps.py,
 generated_workloads.py, vllm_manager_behind_engine.py)."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from kvtier.policies.adaptive import AdaptivePolicy
 from kvtier.replay.driver import replay, trace_keys
 from kvtier.replay.generate import generate, write_trace
 from kvtier.replay.rekey import rekeyed
-from kvtier.replay.trace import TraceRequest, load_trace
+from kvtier.replay.trace import TraceRequest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -77,28 +77,6 @@ def test_policy_cost_reports_every_policy_against_lru(
     assert all(r["vs_lru"] == r["vs_lru_q1"] == r["vs_lru_q3"] == 1.0
                for r in rows if r["policy"] == "lru")
     assert all(r["vs_lru_q1"] <= r["vs_lru"] <= r["vs_lru_q3"] for r in rows)
-
-
-def test_key_seed_spread_reports_each_seed_against_lru_in_that_seed(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    spread = _load("key_seed_spread")
-    trace = tmp_path / "t.jsonl"
-    write_trace(generate("tenants", 2, 800), trace)
-    for extra in ([], ["--gpu-blocks", "200"]):
-        assert spread.main([str(trace), "--policies", "arc,default", "--capacity", "100,300",
-                            "--seeds", "3", "--json", *extra]) == 0
-        rows = json.loads(capsys.readouterr().out)
-        assert [(r["policy"], r["capacity"]) for r in rows] == [
-            (p, c) for c in (100, 300) for p in ("arc", "default")]
-        for r in rows:
-            vs = [h / b for h, b in zip(r["hit_ratios"], r["lru_hit_ratios"], strict=True)]
-            assert r["seed0"] == vs[0] and r["min"] <= r["median"] <= r["max"]
-            assert (r["min"], r["max"]) == (min(vs), max(vs))
-            if r["policy"] == "arc":  # reads no key bytes: one figure under every seed
-                assert len(set(r["hit_ratios"])) == 1
-        # seed 0 is the trace itself: the same figure as a plain replay
-        assert rows[1]["hit_ratios"][0] == spread.hit_ratio(
-            load_trace(trace), 100, "default", 200 if extra else None)
 
 
 def test_generated_workloads_reports_each_seed_and_flags_misses(

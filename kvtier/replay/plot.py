@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -94,31 +94,41 @@ def save_figure(fig: Any, path: str | Path) -> None:
         raise PlotError(f"cannot write plot {path}: {reason}") from None
 
 
-def plot_results(results: Sequence[ReplayResult], path: str | Path, title: str = "") -> None:
+Spread = Mapping[tuple[str, int, int], tuple[float, float]]
+"""A hit ratio's range (low, high) by policy, capacity and store threshold."""
+
+
+def plot_results(results: Sequence[ReplayResult], path: str | Path, title: str = "",
+                 spread: Spread | None = None) -> None:
     """One line per policy (and store threshold, when several), OPT dashed, infinite dotted.
 
     The x axis is the capacity in blocks (log scale); the y axis the prefix-hit
-    ratio (block hits for the bounds).
+    ratio (block hits for the bounds). ``spread`` shades each point's range
+    around its line (the key seeds' range around their median).
     """
     plt = pyplot()
     thresholds = {r.store_threshold for r in results if r.policy not in ("opt", "infinite")}
-    lines: dict[str, list[tuple[int, float]]] = {}
+    lines: dict[str, list[tuple[int, float, float, float]]] = {}
     for r in results:
         if r.policy == "infinite":
             continue
         label = r.policy
         if r.policy != "opt" and len(thresholds) > 1:
             label = f"{r.policy} (threshold {r.store_threshold})"
-        lines.setdefault(label, []).append((r.capacity, r.hit_ratio))
+        low, high = (spread or {}).get((r.policy, r.capacity, r.store_threshold),
+                                       (r.hit_ratio, r.hit_ratio))
+        lines.setdefault(label, []).append((r.capacity, r.hit_ratio, low, high))
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
     try:
         for label, points in lines.items():
             points.sort()
-            xs, ys = zip(*points, strict=True)
+            xs, ys, lows, highs = zip(*points, strict=True)
             if label == "opt":
                 ax.plot(xs, ys, "k--", marker="o", label="OPT (Belady)")
-            else:
-                ax.plot(xs, ys, marker="o", label=label)
+                continue
+            line = ax.plot(xs, ys, marker="o", label=label)[0]
+            if lows != ys or highs != ys:
+                ax.fill_between(xs, lows, highs, color=line.get_color(), alpha=0.2, lw=0)
         for r in results:
             if r.policy == "infinite":
                 ax.axhline(r.hit_ratio, color="grey", linestyle=":",
