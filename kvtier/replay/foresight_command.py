@@ -9,6 +9,7 @@ from typing import Any
 
 from kvtier.argtypes import int_list, positive_int
 from kvtier.errors import CommandError
+from kvtier.replay.size_checks import check_sizes_fit
 from kvtier.replay.trace import BUNDLED_TRACE, load_requests
 
 
@@ -40,7 +41,6 @@ def add_foresight_parser(commands: Any) -> None:
 
 def cmd_foresight(args: argparse.Namespace) -> int:
     """Run the three rankings and LRU; print the table (or JSON)."""
-    from kvtier.cli import check_sizes_fit
     from kvtier.replay.foresight import asked_streams, readings, rows, run, table
     from kvtier.replay.serving_trace import UnservableRequestError, missing_length_message
 

@@ -11,6 +11,7 @@ from kvtier.argtypes import non_negative_int, positive_int
 from kvtier.errors import PROG, CommandError
 from kvtier.progress import make_progress
 from kvtier.replay.mix import DEFAULT_KINDS
+from kvtier.replay.size_checks import check_sizes_fit
 
 SHOWN = ("manager.table", "manager.tracker_size", "manager.history_size", "manager.events",
          "cascade.uses", "cascade.tiers.disk.index", "cascade.probes.redis.known",
@@ -56,7 +57,6 @@ def add_soak_parser(commands: Any) -> None:
 
 def cmd_soak(args: argparse.Namespace) -> int:
     """Run the soak; print samples and the summary; 1 on a bound violation."""
-    from kvtier.cli import check_sizes_fit
     from kvtier.replay.soak import DEFAULT_REDIS_MAXMEMORY, Sample, SoakConfig, run_soak
     from kvtier.server_process import sigterm_as_exit
 
