@@ -16,7 +16,8 @@ below the better of LRU and ARC. Seeds the policy was never looked at under
         [--capacity 1000,4000,16000] [--policies default] [--requests 10000]
         [--key-seeds 0] [--floor 0.98] [--large 16000] [--json] [--check]
 
-``--key-seeds 0,1,2,3`` replays each workload also under other block hashes
+``--seeds`` and ``--key-seeds`` take lists and ranges (``41-44``).
+``--key-seeds 0-3`` replays each workload also under other block hashes
 (``kvtier replay --key-seed``; 0 is the workload as generated): the
 default's shadows sample blocks by hash, so each replay is one draw of that
 sample (docs/policy.md, "One replay is one draw"). The table then also gives,

@@ -79,9 +79,45 @@ def int_list(text: str) -> list[int]:
     return list(dict.fromkeys(positive_int(part.strip()) for part in text.split(",")))
 
 
+MAX_SEEDS = 100
+"""Most seeds one seed list takes: each seed is a whole set of runs, so more is
+almost surely a typo (``0-1000000`` for ``0-10``)."""
+MAX_SEED = (1 << 64) - 1
+"""The largest seed: a key seed is the 8-byte BLAKE2b key of
+``kvtier.replay.rekey.rekeyed``."""
+
+
 def seed_list(text: str) -> list[int]:
-    """Parse ``S[,S...]`` of ints >= 0 (seeds), duplicates dropped (argparse type)."""
-    return list(dict.fromkeys(non_negative_int(part.strip()) for part in text.split(",")))
+    """Parse ``S[,S...]``, each part a seed or an inclusive range ``A-B``, of
+    ints in [0, 2**64), duplicates dropped, at most ``MAX_SEEDS`` (argparse
+    type: ``ArgumentTypeError`` naming the bad part)."""
+    seeds: dict[int, None] = {}
+    for part in text.split(","):
+        low, sep, high = part.strip().partition("-")
+        if sep and not low:
+            raise argparse.ArgumentTypeError(f"seeds are >= 0, got {part.strip()!r}")
+        first = _seed(low, part)
+        last = _seed(high, part) if sep else first
+        if last < first:
+            raise argparse.ArgumentTypeError(f"range {part.strip()!r} runs backwards")
+        if last - first < MAX_SEEDS:
+            seeds.update(dict.fromkeys(range(first, last + 1)))
+        if last - first >= MAX_SEEDS or len(seeds) > MAX_SEEDS:
+            raise argparse.ArgumentTypeError(
+                f"at most {MAX_SEEDS} seeds (each is a whole set of runs)")
+    return list(seeds)
+
+
+def _seed(text: str, part: str) -> int:
+    """One seed of ``part``; ``ArgumentTypeError`` naming ``part``."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"not a seed or a range A-B: {part.strip()!r}") from None
+    if not 0 <= value <= MAX_SEED:
+        raise argparse.ArgumentTypeError(f"a seed is in [0, 2**64), got {value}")
+    return value
 
 
 def name_list(text: str) -> list[str]:

@@ -113,4 +113,4 @@ def test_cli_key_seed(capsys: pytest.CaptureFixture[str], tmp_path: Path,
     with pytest.raises(SystemExit):
         main(["replay", str(path), "--capacity", "150", "--policy", "lru",
               "--key-seed", "-1"])
-    assert "--key-seed: key seeds are >= 0, got '-1'" in capsys.readouterr().err
+    assert "--key-seed: seeds are >= 0, got '-1'" in capsys.readouterr().err

@@ -11,32 +11,33 @@ from typing import Any
 
 import pytest
 
+from kvtier.argtypes import MAX_SEEDS, seed_list
 from kvtier.cli import main
 from kvtier.replay.driver import ReplayResult
 from kvtier.replay.generate import generate, write_trace
-from kvtier.replay.seeds import MAX_KEY_SEEDS, key_seed_list, seeds_label, summarize
+from kvtier.replay.seeds import seeds_label, summarize
 
 
 @pytest.mark.parametrize(("text", "seeds"), [
     ("0", [0]), ("0-3", [0, 1, 2, 3]), ("5, 0-2,1", [5, 0, 1, 2]), ("7-7", [7]),
-    (f"0-{MAX_KEY_SEEDS - 1}", list(range(MAX_KEY_SEEDS))),
+    (f"0-{MAX_SEEDS - 1}", list(range(MAX_SEEDS))),
     (f"{2**64 - 1}", [2**64 - 1]),
 ])
-def test_key_seed_lists(text: str, seeds: list[int]) -> None:
-    assert key_seed_list(text) == seeds
+def test_seed_lists(text: str, seeds: list[int]) -> None:
+    assert seed_list(text) == seeds
 
 
 @pytest.mark.parametrize(("text", "error"), [
-    ("-1", "key seeds are >= 0, got '-1'"), ("3-1", "range '3-1' runs backwards"),
+    ("-1", "seeds are >= 0, got '-1'"), ("3-1", "range '3-1' runs backwards"),
     ("a", "not a seed or a range A-B: 'a'"), ("1-b", "not a seed or a range A-B: '1-b'"),
-    ("", "not a seed"), ("0,,1", "not a seed"), (f"{2**64}", "a key seed is in [0, 2**64)"),
-    (f"0-{MAX_KEY_SEEDS}", f"at most {MAX_KEY_SEEDS} key seeds"),
-    (f"0-{MAX_KEY_SEEDS - 1},{10**6}", f"at most {MAX_KEY_SEEDS} key seeds"),
-    ("0-1000000000000", f"at most {MAX_KEY_SEEDS} key seeds"),
+    ("", "not a seed"), ("0,,1", "not a seed"), (f"{2**64}", "a seed is in [0, 2**64)"),
+    (f"0-{MAX_SEEDS}", f"at most {MAX_SEEDS} seeds"),
+    (f"0-{MAX_SEEDS - 1},{10**6}", f"at most {MAX_SEEDS} seeds"),
+    ("0-1000000000000", f"at most {MAX_SEEDS} seeds"),
 ])
-def test_bad_key_seed_lists_name_the_problem(text: str, error: str) -> None:
+def test_bad_seed_lists_name_the_problem(text: str, error: str) -> None:
     with pytest.raises(argparse.ArgumentTypeError) as exc:
-        key_seed_list(text)
+        seed_list(text)
     assert error in str(exc.value)
 
 

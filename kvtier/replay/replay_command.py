@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvtier.admission import DEFAULT_MAX_TRACKER_SIZE
-from kvtier.argtypes import int_list, known_name_list, name_list, positive_int
+from kvtier.argtypes import int_list, known_name_list, name_list, positive_int, seed_list
 from kvtier.errors import PROG, CommandError, ProtocolError
 from kvtier.policies import policy_class
 from kvtier.progress import Progress, make_progress
@@ -26,7 +26,7 @@ from kvtier.replay.driver import BOUNDS, ReplayResult, bound_results, replay, tr
 from kvtier.replay.engine import EngineConfig, replay_engine
 from kvtier.replay.rekey import rekeyed
 from kvtier.replay.replay_output import GpuTable, JsonLines, Table
-from kvtier.replay.seeds import SeedSummary, key_seed_list, median_results, seeds_label, summarize
+from kvtier.replay.seeds import SeedSummary, median_results, seeds_label, summarize
 from kvtier.replay.size_checks import check_sizes_fit
 from kvtier.replay.trace import BUNDLED_TRACE, TraceRequest, load_requests
 
@@ -65,7 +65,7 @@ def add_replay_parser(commands: Any) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--limit-requests", type=positive_int, default=None, metavar="M",
                    help="replay only the first M requests of the trace")
-    p.add_argument("--key-seed", type=key_seed_list, default=[0], metavar="S[,S...]",
+    p.add_argument("--key-seed", type=seed_list, default=[0], metavar="S[,S...]",
                    help="replay the trace under other block hashes (default 0: its own): "
                    "the default policy's shadow caches sample blocks by their hash, so "
                    "each S >= 1 is another draw of that sample, as another deployment's "

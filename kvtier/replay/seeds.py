@@ -13,53 +13,12 @@ reads next-use times only, ties broken by time, never by key bytes.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from kvtier.replay.driver import ReplayResult
-
-MAX_KEY_SEEDS = 100
-"""Most key seeds one ``--key-seed`` takes: each is a whole grid of replays, so
-more is almost surely a typo (``0-1000000`` for ``0-10``)."""
-
-_MAX_SEED = (1 << 64) - 1
-"""The largest key seed: the seed is the 8-byte BLAKE2b key of ``rekeyed``."""
-
-
-def key_seed_list(text: str) -> list[int]:
-    """Parse ``S[,S...]``, each part a seed or an inclusive range ``A-B``, of
-    ints in [0, 2**64), duplicates dropped, at most ``MAX_KEY_SEEDS`` (argparse
-    type: ``ArgumentTypeError`` naming the bad part)."""
-    seeds: dict[int, None] = {}
-    for part in text.split(","):
-        low, sep, high = part.strip().partition("-")
-        if sep and not low:
-            raise argparse.ArgumentTypeError(f"key seeds are >= 0, got {part.strip()!r}")
-        first = _seed(low, part)
-        last = _seed(high, part) if sep else first
-        if last < first:
-            raise argparse.ArgumentTypeError(f"range {part.strip()!r} runs backwards")
-        if last - first < MAX_KEY_SEEDS:
-            seeds.update(dict.fromkeys(range(first, last + 1)))
-        if last - first >= MAX_KEY_SEEDS or len(seeds) > MAX_KEY_SEEDS:
-            raise argparse.ArgumentTypeError(
-                f"at most {MAX_KEY_SEEDS} key seeds (each is a whole set of replays)")
-    return list(seeds)
-
-
-def _seed(text: str, part: str) -> int:
-    """One seed of ``part``; ``ArgumentTypeError`` naming ``part``."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"not a seed or a range A-B: {part.strip()!r}") from None
-    if not 0 <= value <= _MAX_SEED:
-        raise argparse.ArgumentTypeError(f"a key seed is in [0, 2**64), got {value}")
-    return value
 
 
 def seeds_label(seeds: Sequence[int]) -> str:
