@@ -250,7 +250,8 @@ def test_limit_requests_reads_only_that_many(
 
 
 @pytest.mark.parametrize("options", [("--driver", "engine", "--concurrency", "3"),
-                                     ("--store-threshold", "2")])
+                                     ("--store-threshold", "2"), ("--key-seed", "0-3"),
+                                     ("--key-seed", "5")])
 def test_policy_options_with_bounds_only_are_refused(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], options: tuple[str, ...]) -> None:
     # they printed the same opt row as without them

@@ -217,7 +217,7 @@ def _replay_seeds(args: argparse.Namespace, path: Path, loaded: Sequence[TraceRe
                 r = _run_one(args, keys, policy, capacity, threshold, progress, served)
                 results.append((seed, r))
                 progress.write(out.row(r, seed))
-            if bounds and not bound_rows:
+            if bounds and seed == seeds[0]:
                 progress.describe("bounds")
                 bound_rows = _bound_rows(args, keys, bounds, served)
                 progress.update(len(keys))
@@ -236,6 +236,8 @@ def _summaries(results: Sequence[tuple[int | None, ReplayResult]],
                baseline: str) -> list[SeedSummary]:
     """The policies' medians over the key seeds, each against ``baseline``."""
     return summarize([(seed, r) for seed, r in results if seed is not None], baseline)
+
+
 TIERED_COLUMNS = ("policy", "capacity", "disk", "threshold", "disk k", "write", "hit ratio",
                   "cpu hit", "disk hit", "disk writes", "seconds")
 
@@ -419,6 +421,9 @@ def _check_bounds_only(args: argparse.Namespace) -> None:
     if args.store_threshold != [1]:
         raise CommandError("--store-threshold applies to policies; the opt and infinite "
                            "rows keep every block (threshold 1): add a policy to --policy")
+    if args.key_seed != [0]:
+        raise CommandError("--key-seed changes policies' replays; the opt and infinite "
+                           "rows are the same under every key seed: add a policy to --policy")
 
 
 def _engine_config(args: argparse.Namespace) -> EngineConfig:
