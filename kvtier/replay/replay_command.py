@@ -463,8 +463,8 @@ def _plot(results: Sequence[tuple[int | None, ReplayResult]], out: Path, trace: 
         spread = {(s.policy, s.capacity, s.store_threshold): (s.hit_ratio_min, s.hit_ratio_max)
                   for s in summaries}
     gpu = getattr(rows[0], "gpu_blocks", 0) if rows else 0
-    title = (f"CPU-tier hit ratio behind a {gpu:,}-block engine cache, {trace.name}" if gpu
-             else f"prefix-hit ratio, {trace.name}")
+    title = (f"CPU-tier hit ratio behind a {gpu:,}-block engine cache\n{trace.name}" if gpu
+             else f"prefix-hit ratio, {trace.name}")  # two lines: one is wider than the plot
     if spread:
         title += f"\nmedian over key seeds {seeds_label(seeds)}, shaded: their range"
     try:
