@@ -30,7 +30,7 @@ OTHER_FLAGS = frozenset({
     "--enforce-eager",
     "--gpu-memory-utilization", "--kv-cache-memory-bytes", "--kv-transfer-config",
     "--max-model-len", "--mm-processor-kwargs", "--num-gpu-blocks-override", "--port",
-    "--timed-trace-chunk-hash-size",
+    "--timed-trace-chunk-hash-size", "--timed-trace-sec-multiplier",
     "--trust-remote-code",
     "--shm-size",  # docker's
     "--cpu-byte",  # the misspelling kvtier serve catches

@@ -28,7 +28,7 @@ def test_a_line_lists_the_blocks_in_prefix_order_whatever_order_they_came_in() -
     assert line is not None
     obj = json.loads(line)
     ids = [R.trace_hash_id(key_hash(block_key(h))) for h in (11, 12, 13)]
-    assert obj == {"timestamp": 8, "input_length": 3 * 512, "output_length": 0, "hash_ids": ids}
+    assert obj == {"timestamp": 8, "input_length": 3 * 512, "output_length": 1, "hash_ids": ids}
     assert len(set(ids)) == 3 and all(0 <= i < 1 << 64 for i in ids)
     # another KV-cache group's keys of the same blocks add no block
     assert R.trace_line(7.6, keys + positions([11, 12, 13], group=1)) == line

@@ -53,6 +53,14 @@ def test_an_engine_records_what_it_serves_and_kvtier_replays_it(
     assert {h for r in served for h in r.hash_ids} == stored
     times = [r.timestamp for r in served]
     assert times == sorted(times) and times[-1] > times[0]
+    # vLLM's own client sends output_length as max_tokens: the engine takes it
+    from vllm import SamplingParams
+    from vllm.exceptions import VLLMValidationError
+
+    for r in served:
+        SamplingParams(max_tokens=r.output_length)
+    with pytest.raises(VLLMValidationError, match="max_tokens must be at least 1"):
+        SamplingParams(max_tokens=0)  # what the recorder wrote before
 
     # 35 blocks offered; hits: the prefix three times (12), then the repeat (7)
     capsys.readouterr()  # the engine's output

@@ -11,7 +11,11 @@ the format :mod:`kvtier.replay.trace` reads:
   does (``kvtier replay --gpu-blocks``, ``kvtier bench serve --trace``) map
   one Mooncake block to one engine block, so the engine's own block of
   ``block_size`` tokens is recorded as one; the partial last block is not;
-* ``output_length``: 0, not recorded (``kvtier replay`` does not read it);
+* ``output_length``: ``OUTPUT_LENGTH`` (1): the reply's length is not
+  known here, and its full blocks are in ``hash_ids`` already (vLLM offers
+  a reply's blocks as it computes them); one token is the least a client
+  can ask for (vLLM refuses ``max_tokens`` 0), so ``vllm bench serve
+  --dataset-name timed_trace`` can send every line;
 * ``hash_ids``: one 64-bit BLAKE2b digest of each full block's hash, in
   prefix order, the blocks the engine's own cache served included, so that
   ``kvtier replay --gpu-blocks`` can put an engine cache in front again.
@@ -53,6 +57,8 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_REQUESTS = 100_000
 """Lines a recorder writes before it stops: about 200 MB of trace for requests
 of 100 blocks (about 21 bytes per id: up to 20 digits and a comma)."""
+OUTPUT_LENGTH = 1
+"""Every line's ``output_length`` (module doc: the least a client may ask)."""
 MAX_QUEUED = 256
 """Finished requests waiting for the writer thread; more are dropped (counted)."""
 CLOSE_TIMEOUT_S = 5.0
@@ -86,7 +92,7 @@ def trace_line(arrival_ms: float, positions: Positions) -> str | None:
     return json.dumps({
         "timestamp": round(arrival_ms),
         "input_length": len(ordered) * MOONCAKE_BLOCK_TOKENS,
-        "output_length": 0,
+        "output_length": OUTPUT_LENGTH,
         "hash_ids": [trace_hash_id(key_hash(key)) for _, key in ordered],
     }, separators=(",", ":"))
 
