@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -46,6 +47,74 @@ def test_the_recorder_writes_a_trace_the_reader_takes(tmp_path: Path) -> None:
     assert [r.input_length for r in got] == [3 * 512, 4 * 512]  # Mooncake's blocks
     assert got[0].hash_ids[:2] == got[1].hash_ids[:2] and got[0].hash_ids[2] != got[1].hash_ids[2]
     assert rec.stats() == {"recorded": 2, "dropped": 0, "stopped": True}
+
+
+def _clock(rec: R.TraceRecorder, *stamps: float) -> None:
+    """Arrival stamps on demand, in order (the real clock may repeat one)."""
+    rec.now_ms = iter(stamps).__next__  # type: ignore[method-assign]
+
+
+def _stamps(path: Path) -> list[int]:
+    return [json.loads(line)["timestamp"] for line in path.read_text().splitlines()]
+
+
+def _wait_for_lines(path: Path, n: int) -> None:
+    for _ in range(500):
+        if path.exists() and len(path.read_text().splitlines()) >= n:
+            return
+        time.sleep(0.01)
+
+
+def test_lines_come_out_in_arrival_order_not_finish_order(tmp_path: Path) -> None:
+    # it wrote them as they finished: a long request after later short ones
+    path = tmp_path / "t.jsonl"
+    rec = R.TraceRecorder(path)
+    _clock(rec, 10.0, 20.0, 30.0, 40.0)
+    a, b, c, d = (rec.arrive() for _ in range(4))
+    rec.record(c, positions([3]))
+    rec.record(b, positions([2]))
+    _wait_for_lines(path, 1)
+    time.sleep(0.05)
+    assert _stamps(path) == []  # a, which arrived first, still runs: b and c wait
+    rec.record(a, positions([1]))
+    _wait_for_lines(path, 3)
+    assert _stamps(path) == [10, 20, 30]  # a finished: all three, in arrival order
+    rec.record(d, positions([4]))
+    rec.close()
+    assert _stamps(path) == [10, 20, 30, 40]
+    assert rec.stats() == {"recorded": 4, "dropped": 0, "stopped": True}
+
+
+def test_a_finish_never_reported_holds_lines_back_only_within_bounds(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(R, "MAX_REORDER", 3)
+    path = tmp_path / "t.jsonl"
+    rec = R.TraceRecorder(path)
+    _clock(rec, *map(float, range(10)))
+    lost = rec.arrive()  # its finish never comes
+    later = [rec.arrive() for _ in range(5)]
+    for stamp in later:
+        rec.record(stamp, positions([int(stamp)]))
+    _wait_for_lines(path, 2)
+    assert _stamps(path) == [1, 2]  # past MAX_REORDER held lines, the oldest go out
+    rec.close()  # the lines still held are written at close
+    assert _stamps(path) == [1, 2, 3, 4, 5] and lost == 0.0
+
+
+def test_arrivals_waited_for_are_bounded(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(R, "MAX_RUNNING", 2)
+    path = tmp_path / "t.jsonl"
+    rec = R.TraceRecorder(path)
+    _clock(rec, 1.0, 2.0, 3.0)
+    rec.arrive()  # never finishes, and falls out of the running stamps...
+    second, third = rec.arrive(), rec.arrive()
+    assert list(rec._running) == [2.0, 3.0]
+    rec.record(third, positions([3]))
+    rec.record(second, positions([2]))
+    _wait_for_lines(path, 2)  # ...so nothing waits for it
+    assert _stamps(path) == [2, 3]
+    rec.close()
 
 
 def test_recording_stops_after_max_requests(tmp_path: Path) -> None:

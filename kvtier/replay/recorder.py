@@ -22,28 +22,37 @@ the format :mod:`kvtier.replay.trace` reads:
 
 The file holds no token and no engine hash, only digests of them; the same
 prompt prefix gives the same ids across requests of one engine (and across
-engines whose block hashes agree). Lines are written in finish order; a
-request that finishes with no full block is left out, and so is one whose
-finish vLLM has not reported when the engine stops (it reports it once the
-request's stores complete).
+engines whose block hashes agree). Lines are written in arrival order: a
+finished request's line waits while a request that arrived before it
+(``arrive``) still runs, at most ``MAX_REORDER`` lines, and a request that
+never reports its finish is waited for only while ``MAX_RUNNING`` later
+ones have not arrived. A request that finishes with no full block is left
+out, and so is one whose finish vLLM has not reported when the engine stops
+(it reports it once the request's stores complete).
 
 The scheduler's thread only copies the request's key positions and queues
 them; a writer thread digests, formats and writes, so a slow disk delays
 the file, not the engine. Memory: at most ``MAX_QUEUED`` requests' positions
-wait in the queue (a request that finds it full is dropped and counted), and
-at most ``max_requests`` lines are written, after which recording stops.
+wait in the queue (a request that finds it full is dropped and counted),
+``MAX_REORDER`` lines for an earlier arrival and ``MAX_RUNNING`` arrival
+stamps, and at most ``max_requests`` lines are written, after which
+recording stops.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import heapq
+import itertools
 import json
 import logging
+import math
 import os
 import queue
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Iterable
 from pathlib import Path
 from typing import IO
@@ -61,6 +70,12 @@ OUTPUT_LENGTH = 1
 """Every line's ``output_length`` (module doc: the least a client may ask)."""
 MAX_QUEUED = 256
 """Finished requests waiting for the writer thread; more are dropped (counted)."""
+MAX_REORDER = 4096
+"""Finished requests' lines the writer holds back for a request that arrived
+before them and still runs; past it the oldest is written (out of order)."""
+MAX_RUNNING = 65_536
+"""Arrivals awaiting their finish; past it the oldest is no longer waited for
+(a finish vLLM never reports must not hold the trace back for ever)."""
 CLOSE_TIMEOUT_S = 5.0
 """What ``close`` waits for the writer to write what is queued."""
 PID_FIELD = "{pid}"
@@ -105,8 +120,11 @@ class TraceRecorder:
     ``MAX_QUEUED`` requests and the writer thread that empties it.
     Invariants: at most ``max_requests`` lines are written (requests with no
     full block count for none); ``record`` never blocks; after a write
-    error or ``close`` nothing more is written. ``stats()``: recorded,
-    dropped (queue full), and whether it stopped.
+    error or ``close`` nothing more is written; a line is written once no
+    request that arrived before it runs (bounds: ``MAX_REORDER``,
+    ``MAX_RUNNING``). ``arrive`` and ``record`` are called from one thread
+    (the scheduler's). ``stats()``: recorded, dropped (queue full), and
+    whether it stopped.
     """
 
     def __init__(self, path: str | os.PathLike[str],
@@ -118,7 +136,9 @@ class TraceRecorder:
         self.max_requests = max_requests
         self._file = self._create()
         self._start = time.monotonic()
-        self._queue: queue.Queue[tuple[float, Positions] | None] = queue.Queue(MAX_QUEUED)
+        self._queue: queue.Queue[tuple[float, float, Positions] | None] = queue.Queue(
+            MAX_QUEUED)
+        self._running: OrderedDict[float, int] = OrderedDict()  # arrival stamp -> requests
         self._accepted = 0
         self.recorded = 0
         self.dropped = 0
@@ -147,15 +167,40 @@ class TraceRecorder:
         """Milliseconds since the recorder opened: a request's arrival stamp."""
         return (time.monotonic() - self._start) * 1000.0
 
+    def arrive(self) -> float:
+        """A request reached the scheduler: its arrival stamp (``now_ms``), held
+        as running until ``record`` gets it back, so that requests that arrived
+        later and finish first are written after it."""
+        stamp = self.now_ms()
+        running = self._running
+        running[stamp] = running.get(stamp, 0) + 1
+        if len(running) > MAX_RUNNING:
+            running.popitem(last=False)
+        return stamp
+
+    def _finished(self, arrival_ms: float) -> float:
+        """Forget one request of ``arrival_ms`` as running; return the earliest
+        arrival still running (infinity when none)."""
+        running = self._running
+        count = running.get(arrival_ms)
+        if count is not None:
+            if count > 1:
+                running[arrival_ms] = count - 1
+            else:
+                del running[arrival_ms]
+        return next(iter(running), math.inf)
+
     def record(self, arrival_ms: float, positions: Iterable[tuple[bytes, int]]) -> None:
-        """Queue one finished request (its keys with their end-token positions)."""
+        """Queue one finished request (its keys with their end-token positions)
+        that arrived at ``arrival_ms`` (from ``arrive``, or any stamp)."""
+        earliest_running = self._finished(arrival_ms)
         if self.stopped or self._accepted >= self.max_requests:
             return
         items = list(positions)
         if not items:  # no full block: nothing to replay
             return
         try:
-            self._queue.put_nowait((arrival_ms, items))
+            self._queue.put_nowait((arrival_ms, earliest_running, items))
         except queue.Full:
             self.dropped += 1
             if self.dropped == 1:
@@ -168,21 +213,33 @@ class TraceRecorder:
                         self.path, self.max_requests)
 
     def _write_all(self) -> None:
+        """Write the queued requests in arrival order (class doc) until ``close``,
+        then the lines still held back."""
+        held: list[tuple[float, int, str]] = []  # (arrival, finish order, line), a heap
+        finish_order = itertools.count()
         while (item := self._queue.get()) is not None:
-            if self.stopped:
-                continue
-            line = trace_line(*item)
-            if line is None:
-                continue
-            try:
-                self._file.write(line + "\n")
-                self._file.flush()  # whole lines on disk while the engine runs
-            except (OSError, ValueError) as exc:
-                self.stopped = True
-                logger.warning("kvtier: cannot write the trace %s (%s): recording stops",
-                               self.path, exc)
-                continue
-            self.recorded += 1
+            arrival_ms, earliest_running, positions = item
+            line = None if self.stopped else trace_line(arrival_ms, positions)
+            if line is not None:
+                heapq.heappush(held, (arrival_ms, next(finish_order), line))
+            while held and (held[0][0] <= earliest_running or len(held) > MAX_REORDER):
+                self._write(heapq.heappop(held)[2])
+        while held:
+            self._write(heapq.heappop(held)[2])
+
+    def _write(self, line: str) -> None:
+        """One line to the file; a write error stops recording (one warning)."""
+        if self.stopped:
+            return
+        try:
+            self._file.write(line + "\n")
+            self._file.flush()  # whole lines on disk while the engine runs
+        except (OSError, ValueError) as exc:
+            self.stopped = True
+            logger.warning("kvtier: cannot write the trace %s (%s): recording stops",
+                           self.path, exc)
+            return
+        self.recorded += 1
 
     def close(self) -> None:
         """Write what is queued (waiting at most ``CLOSE_TIMEOUT_S``), then close the file."""

@@ -109,7 +109,7 @@ class KVTierOffloadingManager(OffloadingManager):
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         self.context(req_context)
         if self.recorder is not None:
-            req_context.set_state(_Arrival(self.recorder.now_ms()))
+            req_context.set_state(_Arrival(self.recorder.arrive()))
         return RequestOffloadingContext()
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> VllmLookupResult:
