@@ -100,9 +100,9 @@ def seed_list(text: str) -> list[int]:
         last = _seed(high, part) if sep else first
         if last < first:
             raise argparse.ArgumentTypeError(f"range {part.strip()!r} runs backwards")
-        if last - first < MAX_SEEDS:
+        if last - first < MAX_SEEDS:  # else the range alone is too long
             seeds.update(dict.fromkeys(range(first, last + 1)))
-        if last - first >= MAX_SEEDS or len(seeds) > MAX_SEEDS:
+        if len(seeds) > MAX_SEEDS or last - first >= MAX_SEEDS:
             raise argparse.ArgumentTypeError(
                 f"at most {MAX_SEEDS} seeds (each is a whole set of runs)")
     return list(seeds)

@@ -176,9 +176,9 @@ def cmd_replay(args: argparse.Namespace) -> int:
     if args.disk_blocks is not None:
         keys = trace_keys(_rekeyed(loaded, args.key_seed[0]))
         return _cmd_replay_tiered(args, path, keys, policies)
-    results = _replay_seeds(args, path, loaded, policies)
+    results, summaries = _replay_seeds(args, path, loaded, policies)
     if args.plot is not None:
-        _plot(results, args.plot, path, args.key_seed, policies)
+        _plot(results, summaries, args.plot, path)
     return 0
 
 
@@ -192,16 +192,19 @@ def _rekeyed(trace: Sequence[TraceRequest], seed: int) -> list[TraceRequest]:
 
 
 def _replay_seeds(args: argparse.Namespace, path: Path, loaded: Sequence[TraceRequest],
-                  policies: list[str]) -> list[tuple[int | None, ReplayResult]]:
+                  policies: list[str],
+                  ) -> tuple[list[tuple[int | None, ReplayResult]], list[SeedSummary]]:
     """Replay the grid under each key seed, printing rows as they finish, then
     the bounds (once: no seed changes them) and, for several seeds, the
-    medians; return ``(seed, result)`` pairs (seed None for a bound)."""
+    medians; return ``(seed, result)`` pairs (seed None for a bound) and the
+    medians (none for one seed)."""
     bounds = [b for b in BOUNDS if b in args.policy or args.bounds]
     grid = list(itertools.product(policies, args.capacity, args.store_threshold))
     seeds: list[int] = args.key_seed
     progress = make_progress((len(seeds) * len(grid) + bool(bounds)) * len(loaded),
                              not args.no_progress)
     results: list[tuple[int | None, ReplayResult]] = []
+    summaries: list[SeedSummary] = []
     bound_rows: list[ReplayResult] = []
     out = _formatter(args, path, sum(len(r.hash_ids) for r in loaded))
     try:
@@ -225,17 +228,12 @@ def _replay_seeds(args: argparse.Namespace, path: Path, loaded: Sequence[TraceRe
             results.append((None, row))
             progress.write(out.row(row))
         if len(seeds) > 1 and policies:
-            for line in out.summary(_summaries(results, policies[0])):
+            summaries = summarize([(s, r) for s, r in results if s is not None], policies[0])
+            for line in out.summary(summaries):
                 progress.write(line)
     finally:
         progress.close()
-    return results
-
-
-def _summaries(results: Sequence[tuple[int | None, ReplayResult]],
-               baseline: str) -> list[SeedSummary]:
-    """The policies' medians over the key seeds, each against ``baseline``."""
-    return summarize([(seed, r) for seed, r in results if seed is not None], baseline)
+    return results, summaries
 
 
 TIERED_COLUMNS = ("policy", "capacity", "disk", "threshold", "disk k", "write", "hit ratio",
@@ -448,16 +446,15 @@ def _check_plot(args: argparse.Namespace) -> None:
         raise CommandError(str(exc)) from None
 
 
-def _plot(results: Sequence[tuple[int | None, ReplayResult]], out: Path, trace: Path,
-          seeds: Sequence[int], policies: list[str]) -> None:
+def _plot(results: Sequence[tuple[int | None, ReplayResult]],
+          summaries: Sequence[SeedSummary], out: Path, trace: Path) -> None:
     """Plot ``results`` to ``out`` (checked by ``_check_plot``) and say so: with
-    several key seeds, each policy's median and its range over them."""
+    ``summaries`` (several key seeds), each policy's median and its range."""
     from kvtier.replay.plot import PlotError, plot_results
 
     rows = [r for _, r in results]
     spread: dict[tuple[str, int, int], tuple[float, float]] = {}
-    if len(seeds) > 1 and policies:
-        summaries = _summaries(results, policies[0])
+    if summaries:
         per_seed = [(seed, r) for seed, r in results if seed is not None]
         rows = [*median_results(per_seed, summaries), *(r for s, r in results if s is None)]
         spread = {(s.policy, s.capacity, s.store_threshold): (s.hit_ratio_min, s.hit_ratio_max)
@@ -466,7 +463,8 @@ def _plot(results: Sequence[tuple[int | None, ReplayResult]], out: Path, trace: 
     title = (f"CPU-tier hit ratio behind a {gpu:,}-block engine cache\n{trace.name}" if gpu
              else f"prefix-hit ratio, {trace.name}")  # two lines: one is wider than the plot
     if spread:
-        title += f"\nmedian over key seeds {seeds_label(seeds)}, shaded: their range"
+        title += (f"\nmedian over key seeds {seeds_label(summaries[0].key_seeds)}, "
+                  "shaded: their range")
     try:
         plot_results(rows, out, title=title, spread=spread)
     except PlotError as exc:
