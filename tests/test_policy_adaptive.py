@@ -525,12 +525,13 @@ def test_a_busy_engines_chat_keeps_lru_hits_from_the_first_requests(seed: int) -
 @pytest.mark.xfail(strict=True, reason=(
     "known miss (docs/policy.md, 'Popularity drift on seeds never looked at'): "
     "ARC's rule swings the window between a fifth and half of the cache on drift "
-    "at 4,000 blocks and the default keeps 0.975 / 0.979 x LRU on seeds 42 / 44"))
-@pytest.mark.parametrize("seed", [42, 44])
+    "at 4,000 blocks and the default keeps 0.975 / 0.979 / 0.976 x LRU on seeds 42 / 44 / 72"))
+@pytest.mark.parametrize("seed", [42, 44, 72])
 def test_drift_keeps_lru_hits_at_4000_blocks_on_fresh_seeds(seed: int) -> None:
     # Popularity drift (kvtier generate drift), 10,000 requests, 4,000 blocks:
     # the row of issue 11 asks every generated workload for >= 0.98 x LRU.
     # A window held at half the cache keeps 0.992 / 0.995 x; the rules tried
-    # that lift these draws cost other rows more.
+    # that lift these draws cost other rows more. Seed 72 was found after
+    # them (session 36): PLFU's step, which lifts 42 and 44, misses it too.
     lru, default = generated_hit_ratios("drift", seed, 10_000, 4000, "lru", "default")
     assert default >= 0.98 * lru
