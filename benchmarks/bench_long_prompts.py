@@ -22,13 +22,21 @@ blocks ahead of its new ones, in two parts: the manager listing them
 key (a count, not a time: constant when the work per offer is bounded by the
 chunk, growing with the prompt when it is not).
 
+``--decode N`` then decodes: N more blocks, each offered alone at its own
+step (what vLLM does with ``"offload_prompt_only": false`` in the
+connector's config; its default offers prompt blocks only), before the
+finish; reported apart, as microseconds of manager time per decode offer
+(not in the columns above).
+
     python benchmarks/bench_long_prompts.py [--blocks 1024,2048,4096,8192,16384]
-        [--chunk 128] [--policies default,lru,plfu] [--others 0] [--repeats 3]
+        [--chunk 128] [--policies default,lru,plfu] [--others 0] [--decode 0]
+        [--repeats 3]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import time
 from dataclasses import dataclass
@@ -43,6 +51,7 @@ class Run:
     """One long prompt through one manager: seconds and counts."""
 
     total_s: float = 0.0
+    decode_s: float = 0.0
     order_s: float = 0.0
     keep_s: float = 0.0
     ahead_keys: int = 0
@@ -85,8 +94,9 @@ def _other_traffic(mgr: OffloadManager, step: int, others: int, blocks: int) -> 
 
 
 def long_prompt(policy: str, blocks: int, chunk: int, capacity_factor: float,
-                others: int, other_blocks: int, instrument: bool) -> Run:
-    """Offer one prompt of ``blocks`` keys in chunks, as vLLM does; time the manager."""
+                others: int, other_blocks: int, instrument: bool, decode: int = 0) -> Run:
+    """Offer one prompt of ``blocks`` keys in chunks, as vLLM does, then ``decode``
+    blocks one at a time; time the manager (decode offers apart)."""
     mgr = OffloadManager(max(1, int(capacity_factor * blocks)), policy=policy)
     run = Run()
     if instrument:
@@ -108,12 +118,32 @@ def long_prompt(policy: str, blocks: int, chunk: int, capacity_factor: float,
         out = mgr.prepare_store(offer, ctx)
         granted = out.keys_to_store if out is not None else []
         run.total_s += clock() - t0
+    granted = _decode(mgr, ctx, run, granted, blocks, decode, others, other_blocks)
     t0 = clock()
     if granted:
         mgr.complete_store(granted, ctx)
     mgr.on_request_finished(ctx)
     run.total_s += clock() - t0
     return run
+
+
+def _decode(mgr: OffloadManager, ctx: RequestContext, run: Run, granted: list[bytes],
+            blocks: int, decode: int, others: int, other_blocks: int) -> list[bytes]:
+    """Offer ``decode`` blocks after the prompt's ``blocks``, one per step (the
+    previous step's store completing first); time them into ``run.decode_s``;
+    return the keys granted last."""
+    clock = time.perf_counter
+    for i in range(decode):
+        _other_traffic(mgr, -1 - i, others, other_blocks)
+        offer = [block_key(blocks + i)]
+        t0 = clock()
+        ctx.set_positions(offer, (blocks + i + 1) * BLOCK_TOKENS, BLOCK_TOKENS)
+        if granted:
+            mgr.complete_store(granted, ctx)
+        out = mgr.prepare_store(offer, ctx)
+        granted = out.keys_to_store if out is not None else []
+        run.decode_s += clock() - t0
+    return granted
 
 
 def _ints(text: str) -> list[int]:
@@ -137,27 +167,37 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--others", type=int, default=0,
                     help="short requests offered and finished at every step")
     ap.add_argument("--other-blocks", type=int, default=16)
+    ap.add_argument("--decode", type=int, default=0,
+                    help="blocks decoded after the prompt, one offer each")
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args(argv)
-    if args.chunk < 1 or args.repeats < 1 or args.others < 0 or args.other_blocks < 1:
-        ap.error("--chunk, --repeats and --other-blocks must be >= 1, --others >= 0")
+    if (args.chunk < 1 or args.repeats < 1 or args.others < 0 or args.other_blocks < 1
+            or args.decode < 0):
+        ap.error("--chunk, --repeats and --other-blocks must be >= 1, --others and "
+                 "--decode >= 0")
     if args.capacity_factor <= 0:
         ap.error("--capacity-factor must be > 0")
     print(f"chunk {args.chunk} blocks, cache {args.capacity_factor:g} x prompt, "
           f"{args.others} other request(s) per step; best of {args.repeats}")
+    decode_head = f" {'decode us/offer':>16s}" if args.decode else ""
     print(f"{'policy':8s} {'blocks':>7s} {'us/key':>7s} {'order %':>8s} {'keep %':>7s} "
-          f"{'ahead keys/key':>15s}")
+          f"{'ahead keys/key':>15s}{decode_head}")
     for policy in args.policies.split(","):
         for blocks in args.blocks:
-            best = min((long_prompt(policy, blocks, args.chunk, args.capacity_factor,
-                                    args.others, args.other_blocks, instrument=False)
-                        for _ in range(args.repeats)), key=lambda r: r.total_s)
-            shares = long_prompt(policy, blocks, args.chunk, args.capacity_factor,
-                                 args.others, args.other_blocks, instrument=True)
+            run = functools.partial(long_prompt, policy, blocks, args.chunk,
+                                    args.capacity_factor, args.others, args.other_blocks)
+            repeats = range(args.repeats)
+            best = min((run(instrument=False) for _ in repeats), key=lambda r: r.total_s)
+            shares = run(instrument=True)
             total = shares.total_s or 1.0
+            decode = ""
+            if args.decode:  # runs of their own: the prompt's columns stay as without
+                decode_s = min(run(instrument=False, decode=args.decode).decode_s
+                               for _ in repeats)
+                decode = f" {decode_s / args.decode * 1e6:16.1f}"
             print(f"{policy:8s} {blocks:7d} {best.total_s / blocks * 1e6:7.2f} "
                   f"{100 * shares.order_s / total:7.1f}% {100 * shares.keep_s / total:6.1f}% "
-                  f"{shares.ahead_keys / blocks:15.2f}", flush=True)
+                  f"{shares.ahead_keys / blocks:15.2f}{decode}", flush=True)
     return 0
 
 

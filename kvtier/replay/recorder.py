@@ -12,8 +12,10 @@ the format :mod:`kvtier.replay.trace` reads:
   one Mooncake block to one engine block, so the engine's own block of
   ``block_size`` tokens is recorded as one; the partial last block is not;
 * ``output_length``: ``OUTPUT_LENGTH`` (1): the reply's length is not
-  known here, and its full blocks are in ``hash_ids`` already (vLLM offers
-  a reply's blocks as it computes them); one token is the least a client
+  known here, and its full blocks are in ``hash_ids`` already (vLLM places
+  every full block of a request, the reply's too, also where it offers only
+  the prompt's for storing: ``offload_prompt_only``, its default); one
+  token is the least a client
   can ask for (vLLM refuses ``max_tokens`` 0), so ``vllm bench serve
   --dataset-name timed_trace`` can send every line;
 * ``hash_ids``: one 64-bit BLAKE2b digest of each full block's hash, in
