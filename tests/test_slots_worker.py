@@ -14,7 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtier.slots import SlotRegion, TransferResult, TransferWorker
-from kvtier.slots.worker import ROW_COPY_MIN_BYTES, SlotLayout, as_block_bytes
+from kvtier.slots.layout import SlotLayout
+from kvtier.slots.worker import ROW_COPY_MIN_BYTES, as_block_bytes
 
 # Pages below and above ROW_COPY_MIN_BYTES exercise both copy paths.
 PAGES = (512, 3000, ROW_COPY_MIN_BYTES + 4096)

@@ -131,7 +131,7 @@ def _add_replay_gpu_options(p: Any) -> None:
 
 def write_policy_list(text: str) -> list[str]:
     """Parse ``store|evict[,...]``, the tier cascade's write policies (argparse type)."""
-    from kvtier.tiers.cascade import WRITE_POLICIES  # numpy and the tiers: only when used
+    from kvtier.tiers.lower_tier import WRITE_POLICIES  # numpy and the tiers: only when used
 
     return known_name_list(text, WRITE_POLICIES, "write policy")
 

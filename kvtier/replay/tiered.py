@@ -53,9 +53,10 @@ from kvtier.request import RequestContext
 from kvtier.results import LookupResult
 from kvtier.slots.region import SlotRegion
 from kvtier.tiers.base import Tier
-from kvtier.tiers.cascade import WRITE_POLICIES, TierCascade, WritePolicy
+from kvtier.tiers.cascade import TierCascade
 from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.disk_dir import ALLOC_UNIT
+from kvtier.tiers.lower_tier import WRITE_POLICIES, WritePolicy
 from kvtier.tiers.namespace import KVLayout
 
 DEFAULT_SLOT_BYTES = 64

@@ -28,8 +28,8 @@ from __future__ import annotations
 import ctypes
 import logging
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -43,10 +43,8 @@ from kvtier.slots.jobs import (
     TransferResult,
     coalesce_runs,
 )
+from kvtier.slots.layout import SlotLayout
 from kvtier.slots.region import SlotRegion
-
-if TYPE_CHECKING:
-    from kvtier.slots.worker import TransferWorker
 
 logger = logging.getLogger(__name__)
 
@@ -200,17 +198,18 @@ class CudaCopier:
     for a copy except in ``wait``/``close``.
     """
 
-    def __init__(self, worker: TransferWorker, cuda_copy: CudaCopy = "auto") -> None:
-        self._device = worker.tensors[0].device
-        self._tensors = worker.tensors
-        self._layout = worker.layout
-        self._host = worker.region.as_torch(padded=True)
-        self._pinned = host_register(worker.region)
-        self._mapped = mapped_slots(worker.region, self._device) if cuda_copy != "memcpy" else None
+    def __init__(self, tensors: Sequence[torch.Tensor], layout: SlotLayout, region: SlotRegion,
+                 cuda_copy: CudaCopy = "auto") -> None:
+        self._device = tensors[0].device
+        self._tensors = tensors
+        self._layout = layout
+        self._host = region.as_torch(padded=True)
+        self._pinned = host_register(region)
+        self._mapped = mapped_slots(region, self._device) if cuda_copy != "memcpy" else None
         if cuda_copy == "mapped" and self._mapped is None:
             if self._pinned is not None:
                 host_unregister(self._pinned)
-            raise RuntimeError(f"slot region {worker.region.name} is not mapped for the GPU")
+            raise RuntimeError(f"slot region {region.name} is not mapped for the GPU")
         self._mode = cuda_copy
         self._stream = torch.cuda.Stream(device=self._device)
         self._jobs: deque[_CudaJob] = deque()

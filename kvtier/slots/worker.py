@@ -36,6 +36,7 @@ from kvtier.slots.jobs import (
     U8Array,
     coalesce_runs,
 )
+from kvtier.slots.layout import SlotLayout
 from kvtier.slots.region import SlotRegion
 
 logger = logging.getLogger(__name__)
@@ -48,49 +49,6 @@ ROW_COPY_MIN_BYTES = 16 * 1024
 # Smaller jobs are copied by the calling thread alone: handing them to the copy
 # pool costs more than it saves.
 PARALLEL_MIN_BYTES = 8 * 1024 * 1024
-
-
-@dataclass(frozen=True)
-class SlotLayout:
-    """Where each canonical tensor's page sits inside a slot, per KV group.
-
-    Invariants: ``groups[g]`` lists distinct tensor indices; ``offsets[g][k]`` is
-    the byte offset of tensor ``groups[g][k]`` in a group-``g`` slot, pages are
-    packed back to back from offset 0 in group order.
-    """
-
-    page_bytes: tuple[int, ...]
-    groups: tuple[tuple[int, ...], ...]
-    offsets: tuple[tuple[int, ...], ...]
-
-    @classmethod
-    def build(
-        cls, page_bytes: Sequence[int], groups: Sequence[Sequence[int]] | None = None
-    ) -> SlotLayout:
-        """Pack pages per group; ``groups=None`` puts every tensor in group 0."""
-        pages = tuple(int(p) for p in page_bytes)
-        if not pages or min(pages) <= 0:
-            raise ValueError(f"page sizes must be positive, got {pages}")
-        members = [tuple(range(len(pages)))] if groups is None else groups
-        grouped: list[tuple[int, ...]] = []
-        offsets: list[tuple[int, ...]] = []
-        for g, group in enumerate(members):
-            tensor_ids = tuple(dict.fromkeys(int(t) for t in group))
-            if not tensor_ids or not all(0 <= t < len(pages) for t in tensor_ids):
-                raise ValueError(f"group {g} has bad tensor indices {list(group)}")
-            starts = np.cumsum([0] + [pages[t] for t in tensor_ids[:-1]])
-            grouped.append(tensor_ids)
-            offsets.append(tuple(int(s) for s in starts))
-        return cls(pages, tuple(grouped), tuple(offsets))
-
-    def group_bytes(self, group: int) -> int:
-        """Bytes of one group-``group`` block in a slot."""
-        return sum(self.page_bytes[t] for t in self.groups[group])
-
-    @property
-    def max_slot_bytes(self) -> int:
-        """Slot size needed to hold a block of any group."""
-        return max(self.group_bytes(g) for g in range(len(self.groups)))
 
 
 def as_block_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -214,7 +172,7 @@ class TransferWorker:
         if device.type == "cuda" and torch.cuda.is_available():
             from kvtier.slots.cuda import CudaCopier
 
-            return CudaCopier(self, cuda_copy)
+            return CudaCopier(self.tensors, self.layout, self.region, cuda_copy)
         raise ValueError(f"unsupported KV tensor device {device}")
 
     # ------------------------------------------------------------------ jobs

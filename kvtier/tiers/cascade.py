@@ -46,8 +46,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from kvtier.admission import DEFAULT_MAX_TRACKER_SIZE
 from kvtier.events import Event
@@ -57,6 +56,7 @@ from kvtier.results import LookupResult, PrepareStoreOutput
 from kvtier.tiers.base import Tier, WarningLimiter
 from kvtier.tiers.cascade_writes import CascadeWrites
 from kvtier.tiers.io_pool import IOPool, Job, ProbeJob, PromotionJob, SlotSource, WriteJob
+from kvtier.tiers.lower_tier import WRITE_POLICIES, LowerTier, WritePolicy
 from kvtier.tiers.outcomes import PromotionOutcomes
 from kvtier.tiers.probes import (
     DEFAULT_MAX_PROBES,
@@ -83,8 +83,6 @@ SHUTDOWN_GRACE_S = 1.0
 closes the owned tiers under them (a Redis call then ends at once): with a
 dead or stopped Redis, about the longest a shutdown takes."""
 
-WritePolicy = Literal["store", "evict"]
-WRITE_POLICIES: tuple[WritePolicy, ...] = ("store", "evict")
 RegionSource = SlotSource | Callable[[], SlotSource | None]
 COUNTERS = (
     "promotions", "promotion_failures", "promotion_timeouts", "promotions_deferred",
@@ -92,16 +90,6 @@ COUNTERS = (
     "probes", "probes_deferred", "cascade_writes", "duplicate_writes_skipped",
     "write_failures", "dropped_writes", "writes_not_admitted",
 )
-
-
-@dataclass(slots=True)
-class LowerTier:
-    """One tier below the CPU tier with its cascade settings."""
-
-    tier: Tier
-    write: WritePolicy
-    threshold: int
-    probes: ExistenceProbes | None  # remote tiers asked asynchronously
 
 
 class TierCascade:

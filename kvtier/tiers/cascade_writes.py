@@ -35,16 +35,13 @@ queue cannot take, or with no region or no available tier, is dropped
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
 
 from kvtier.manager import OffloadManager
 from kvtier.request import RequestContext
 from kvtier.tiers.base import Tier
 from kvtier.tiers.io_pool import IOPool, SlotSource, WriteJob
+from kvtier.tiers.lower_tier import LowerTier
 from kvtier.tiers.uses import BlockUses
-
-if TYPE_CHECKING:
-    from kvtier.tiers.cascade import LowerTier
 
 
 class CascadeWrites:

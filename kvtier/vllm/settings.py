@@ -25,8 +25,9 @@ from kvtier.secrets import (
     redact_url,
 )
 from kvtier.slots.jobs import CUDA_COPY_MODES, CudaCopy
-from kvtier.tiers.cascade import DEFAULT_PROMOTION_TIMEOUT_S, WRITE_POLICIES
+from kvtier.tiers.cascade import DEFAULT_PROMOTION_TIMEOUT_S
 from kvtier.tiers.disk_lookups import LOOKUP_MODES
+from kvtier.tiers.lower_tier import WRITE_POLICIES
 
 _BYTE_COUNT = 'a byte count, or a size such as "8GiB"'
 

@@ -23,8 +23,9 @@ from kvtier.manager import OffloadManager
 from kvtier.replay.recorder import TraceRecorder, TraceRecorderError
 from kvtier.slots.region import DEFAULT_ALIGNMENT, PREFIX, SUFFIX, SlotRegion, region_creator
 from kvtier.tiers.base import Tier
-from kvtier.tiers.cascade import TierCascade, WritePolicy
+from kvtier.tiers.cascade import TierCascade
 from kvtier.tiers.io_pool import SlotSource
+from kvtier.tiers.lower_tier import WritePolicy
 from kvtier.tiers.namespace import namespace_of
 from kvtier.tiers.ranks import RankedTier, RankRegions
 from kvtier.vllm.adapter import KVTierOffloadingManager
