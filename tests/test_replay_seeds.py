@@ -13,6 +13,7 @@ import pytest
 
 from kvtier.argtypes import MAX_SEEDS, seed_list
 from kvtier.cli import main
+from kvtier.policies import POLICIES
 from kvtier.replay.driver import ReplayResult
 from kvtier.replay.generate import generate, write_trace
 from kvtier.replay.seeds import seeds_label, summarize
@@ -100,20 +101,23 @@ def test_replay_under_several_seeds_reports_each_and_their_medians(
         capsys: pytest.CaptureFixture[str], trace: Path, gpu: list[str]) -> None:
     rows = _json_rows(capsys, str(trace), "--capacity", "100,300", "--policy",
                       "lru,default", "--key-seed", "0-2,9", "--bounds", *gpu)
-    per_seed = [r for r in rows if "summary" not in r and r["key_seed"] is not None]
-    assert [(r["key_seed"], r["policy"], r["capacity"]) for r in per_seed] == [
-        (s, p, c) for s in (0, 1, 2, 9) for p in ("lru", "default") for c in (100, 300)]
-    bounds = [r for r in rows if "summary" not in r and r["key_seed"] is None]
-    assert [(r["policy"], r["capacity"]) for r in bounds] == [
-        ("opt", 100), ("opt", 300), ("infinite", bounds[-1]["capacity"])]
+    replays = [r for r in rows if "summary" not in r and r["policy"] not in ("opt", "infinite")]
+    # LRU reads no key bytes: replayed once, its row (no seed) stands for every seed
+    assert [(r["key_seed"], r["policy"], r["capacity"]) for r in replays] == [
+        (None, "lru", 100), (None, "lru", 300),
+        *((s, "default", c) for s in (0, 1, 2, 9) for c in (100, 300))]
+    bounds = [r for r in rows if "summary" not in r and r["policy"] in ("opt", "infinite")]
+    assert [(r["policy"], r["capacity"], r["key_seed"]) for r in bounds] == [
+        ("opt", 100, None), ("opt", 300, None), ("infinite", bounds[-1]["capacity"], None)]
     summaries = [r for r in rows if r.get("summary") == "key_seeds"]
     assert rows[-len(summaries):] == summaries  # the medians come last
     assert [(r["policy"], r["capacity"]) for r in summaries] == [
         ("lru", 100), ("lru", 300), ("default", 100), ("default", 300)]
 
     def hits(policy: str, capacity: int) -> list[float]:
-        return [r["hit_ratio"] for r in per_seed
+        mine = [r["hit_ratio"] for r in replays
                 if (r["policy"], r["capacity"]) == (policy, capacity)]
+        return mine * 4 if len(mine) == 1 else mine  # a row for every seed
 
     for s in summaries:
         mine, base = hits(s["policy"], s["capacity"]), hits("lru", s["capacity"])
@@ -123,15 +127,36 @@ def test_replay_under_several_seeds_reports_each_and_their_medians(
         vs = [m / b for m, b in zip(mine, base, strict=True)]
         assert s["vs_baseline"] == pytest.approx(statistics.median(vs))
         assert (s["vs_min"], s["vs_max"]) == (pytest.approx(min(vs)), pytest.approx(max(vs)))
-    # LRU reads no key bytes: one figure under every seed; the default samples by them
-    assert len(set(hits("lru", 100))) == 1
-    assert len(set(hits("default", 100) + hits("default", 300))) > 2
+    assert len(set(hits("default", 100) + hits("default", 300))) > 2  # it samples by them
     # each seed's rows are what a replay under that seed alone gives
     alone = _json_rows(capsys, str(trace), "--capacity", "100,300", "--policy",
                        "lru,default", "--key-seed", "9", *gpu)
-    strip = [{k: v for k, v in r.items() if k != "us_per_key"} for r in alone]
-    assert strip == [{k: v for k, v in r.items() if k != "us_per_key"}
-                     for r in per_seed if r["key_seed"] == 9]
+
+    def strip(r: dict[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in r.items() if k not in ("us_per_key", "key_seed")}
+
+    assert [strip(r) for r in alone] == [strip(r) for r in replays
+                                         if r["key_seed"] in (None, 9)]
+
+
+@pytest.mark.parametrize("gpu", [[], ["--gpu-blocks", "200"]])
+def test_policies_that_read_no_key_bytes_give_the_same_figures_under_every_seed(
+        capsys: pytest.CaptureFixture[str], trace: Path, gpu: list[str]) -> None:
+    # what lets several key seeds replay them once: checked under single seeds,
+    # where every policy runs; the default, which samples by hash, is the control
+    names = [n for n, cls in POLICIES.items() if not cls.reads_key_bytes]
+    assert names == ["lru", "arc"]
+
+    def figures(seed: int) -> dict[tuple[str, int], tuple[float, int, int]]:
+        rows = _json_rows(capsys, str(trace), "--capacity", "100,300", "--policy",
+                          ",".join([*names, "default"]), "--key-seed", str(seed), *gpu)
+        return {(r["policy"], r["capacity"]): (r["hit_ratio"], r["stores"], r["evictions"])
+                for r in rows}
+
+    first, other = figures(0), figures(5)
+    assert {c: v for c, v in first.items() if c[0] != "default"} == {
+        c: v for c, v in other.items() if c[0] != "default"}
+    assert any(first[c] != other[c] for c in first if c[0] == "default")
 
 
 def test_the_table_has_a_seed_column_and_a_median_section(
@@ -140,12 +165,12 @@ def test_the_table_has_a_seed_column_and_a_median_section(
                  "--key-seed", "0,1,2", "--no-progress"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split()[:3] == ["key", "seed", "policy"]
-    assert [line.split()[:2] for line in lines[1:7]] == [
-        [str(s), p] for s in (0, 1, 2) for p in ("lru", "default")]
-    assert lines[7].startswith("median over key seeds 0-2; x lru:")
-    assert lines[8].split() == ["policy", "capacity", "threshold", "median", "min", "max",
+    assert [line.split()[:2] for line in lines[1:5]] == [
+        ["-", "lru"], *([str(s), "default"] for s in (0, 1, 2))]  # LRU: once, every seed
+    assert lines[5].startswith("median over key seeds 0-2; x lru:")
+    assert lines[6].split() == ["policy", "capacity", "threshold", "median", "min", "max",
                                 "x", "lru", "min", "max"]
-    lru, default = (line.split() for line in lines[9:])
+    lru, default = (line.split() for line in lines[7:])
     assert lru[:2] == ["lru", "100"] and lru[6:] == ["1.000"] * 3
     assert default[:2] == ["default", "100"] and len(default) == 9
     # one seed: the table as it always was, no seed column, no medians

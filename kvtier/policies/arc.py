@@ -31,6 +31,7 @@ class ARCPolicy(EvictionPolicy):
     name = "arc"
     wants_store_misses = True
     wants_running_order = True
+    reads_key_bytes = False
 
     def __init__(self, capacity: int) -> None:
         super().__init__(capacity)

@@ -62,6 +62,10 @@ class EvictionPolicy(ABC):
     """True when the policy takes ``on_demand_access`` in place of ``on_access``."""
     wants_running_order: ClassVar[bool] = False
     """True when ``keep_ahead`` does something; lets the manager skip computing its keys."""
+    reads_key_bytes: ClassVar[bool] = True
+    """False when no choice depends on a key's bytes, only on which keys are
+    equal (the same figures under any renaming of the keys); lets ``kvtier
+    replay --key-seed`` replay the policy once for every seed."""
 
     def __init__(self, capacity: int) -> None:
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:

@@ -21,6 +21,7 @@ class LRUPolicy(EvictionPolicy):
     name = "lru"
     wants_reuse = False
     wants_running_order = True
+    reads_key_bytes = False
 
     def __init__(self, capacity: int) -> None:
         super().__init__(capacity)

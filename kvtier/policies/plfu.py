@@ -77,6 +77,7 @@ class PLFUPolicy(EvictionPolicy):
     wants_reuse = False  # a reuse shows in the history: a second request's count
     wants_store_misses = False  # ghosts are looked up on insert
     wants_running_order = True
+    reads_key_bytes = True  # a tie of priority goes to the lower key bytes
 
     COUNT_CAP = _COUNT_CAP
     """Counts above this add no priority (five classes: 1, 2-3, 4-7, 8-15, 16+)."""

@@ -197,10 +197,13 @@ def _replay_seeds(args: argparse.Namespace, path: Path, loaded: Sequence[TraceRe
     """Replay the grid under each key seed, printing rows as they finish, then
     the bounds (once: no seed changes them) and, for several seeds, the
     medians; return ``(seed, result)`` pairs (seed None for a bound) and the
-    medians (none for one seed)."""
+    medians (none for one seed). A policy whose choices read no key bytes
+    (``EvictionPolicy.reads_key_bytes``) runs under the first seed only: its
+    row, printed once with no seed, stands for every seed."""
     bounds = [b for b in BOUNDS if b in args.policy or args.bounds]
     grid = list(itertools.product(policies, args.capacity, args.store_threshold))
     seeds: list[int] = args.key_seed
+    once: dict[tuple[str, int, int], ReplayResult] = {}  # no seed changes these
     progress = make_progress((len(seeds) * len(grid) + bool(bounds)) * len(loaded),
                              not args.no_progress)
     results: list[tuple[int | None, ReplayResult]] = []
@@ -215,11 +218,20 @@ def _replay_seeds(args: argparse.Namespace, path: Path, loaded: Sequence[TraceRe
             if seed == seeds[0] and (header := out.header()) is not None:
                 progress.write(header)  # after the checks: an error prints no table
             label = f"seed {seed}: " if len(seeds) > 1 else ""
-            for policy, capacity, threshold in grid:
+            for cell in grid:
+                if cell in once:
+                    results.append((seed, once[cell]))
+                    progress.update(len(keys))
+                    continue
+                policy, capacity, threshold = cell
                 progress.describe(f"{label}{policy} {capacity} k={threshold}")
                 r = _run_one(args, keys, policy, capacity, threshold, progress, served)
                 results.append((seed, r))
-                progress.write(out.row(r, seed))
+                if len(seeds) > 1 and not policy_class(policy).reads_key_bytes:
+                    once[cell] = r
+                    progress.write(out.row(r, None))  # one row for every seed
+                else:
+                    progress.write(out.row(r, seed))
             if bounds and seed == seeds[0]:
                 progress.describe("bounds")
                 bound_rows = _bound_rows(args, keys, bounds, served)
