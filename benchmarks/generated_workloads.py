@@ -78,7 +78,8 @@ class Cell:
 def measure(kinds: list[str], seeds: list[int], capacities: list[int], policies: list[str],
             requests: int, key_seeds: tuple[int, ...] = (0,)) -> list[Cell]:
     """Every (kind, seed, key seed, capacity, policy) cell, baselines replayed
-    once per workload and key seed."""
+    once per workload and key seed (a policy whose choices read no key bytes,
+    LRU and ARC, once per workload: ``EvictionPolicy.reads_key_bytes``)."""
     runs = [*BASELINES, *(p for p in policies if p not in BASELINES)]
     cells: list[Cell] = []
     bar = make_progress(len(kinds) * len(seeds) * len(key_seeds) * len(capacities) * len(runs),
@@ -87,13 +88,19 @@ def measure(kinds: list[str], seeds: list[int], capacities: list[int], policies:
         for kind in kinds:
             for seed in seeds:
                 workload = generate(kind, seed, requests)
+                same: dict[tuple[str, int], float] = {}  # under every key seed
                 for key_seed in key_seeds:
                     keys = trace_keys(rekeyed(workload, key_seed) if key_seed else workload)
                     for capacity in capacities:
                         ratios: dict[str, float] = {}
                         for policy in runs:
                             bar.describe(f"{kind}-{seed}/{key_seed}: {policy} @ {capacity}")
-                            ratios[policy] = replay(keys, capacity, policy).hit_ratio
+                            if (policy, capacity) in same:
+                                ratios[policy] = same[policy, capacity]
+                            else:
+                                ratios[policy] = replay(keys, capacity, policy).hit_ratio
+                                if not policy_class(policy).reads_key_bytes:
+                                    same[policy, capacity] = ratios[policy]
                             bar.update(1)
                         cells += [Cell(kind, seed, capacity, p, ratios[p], ratios["lru"],
                                        ratios["arc"], key_seed) for p in policies]
