@@ -15,9 +15,8 @@ the format :mod:`kvtier.replay.trace` reads:
   known here, and its full blocks are in ``hash_ids`` already (vLLM places
   every full block of a request, the reply's too, also where it offers only
   the prompt's for storing: ``offload_prompt_only``, its default); one
-  token is the least a client
-  can ask for (vLLM refuses ``max_tokens`` 0), so ``vllm bench serve
-  --dataset-name timed_trace`` can send every line;
+  token is the least a client can ask for (vLLM refuses ``max_tokens`` 0),
+  so ``vllm bench serve --dataset-name timed_trace`` can send every line;
 * ``hash_ids``: one 64-bit BLAKE2b digest of each full block's hash, in
   prefix order, the blocks the engine's own cache served included, so that
   ``kvtier replay --gpu-blocks`` can put an engine cache in front again.
