@@ -64,6 +64,13 @@ class CountingNoRunningOrder(CountingLRU):
     wants_running_order = False
 
 
+def counting_manager(policy: str = "CountingLRU") -> OffloadManager:
+    """An 8,192-block manager under one of this module's counting policies,
+    its count of keys kept ahead reset."""
+    CountingLRU.kept = 0
+    return OffloadManager(8192, policy=f"test_long_prompts:{policy}")
+
+
 def offer_in_chunks(mgr: OffloadManager, ctx: CountingContext, blocks: int,
                     chunk: int, work: Callable[[], int] | None = None) -> list[int]:
     """Offer ``blocks`` keys in chunks as vLLM does (stores complete a step
@@ -92,8 +99,7 @@ def offer_in_chunks(mgr: OffloadManager, ctx: CountingContext, blocks: int,
     "known: keep_ahead of a running request's held blocks costs O(blocks so far) "
     "per offer; an exact O(chunk) fix needs a group-ordered recency structure"))
 def test_keep_ahead_work_per_offer_is_bounded_by_the_chunk() -> None:
-    CountingLRU.kept = 0
-    mgr = OffloadManager(8192, policy="test_long_prompts:CountingLRU")
+    mgr = counting_manager()
     per_offer = offer_in_chunks(mgr, CountingContext("long"), 4096, 128)
     assert max(per_offer) <= 2 * 128 + 16, per_offer
 
@@ -102,8 +108,7 @@ def test_keep_ahead_work_per_offer_is_bounded_by_the_chunk() -> None:
     "known: each block a long request offers while it decodes (offload_prompt_only "
     "false) hands all its held blocks to keep_ahead (README, 'A long prompt')"))
 def test_keep_ahead_work_per_decode_offer_is_bounded() -> None:
-    CountingLRU.kept = 0
-    mgr = OffloadManager(8192, policy="test_long_prompts:CountingLRU")
+    mgr = counting_manager()
     ctx = CountingContext("long")
     offer_in_chunks(mgr, ctx, 2048, 128)
     per_offer = []
@@ -120,8 +125,7 @@ def test_keep_ahead_work_per_decode_offer_is_bounded() -> None:
 
 def test_offer_work_without_running_order_is_bounded_by_the_chunk() -> None:
     # everything but keep_ahead: no offer walks the request's earlier blocks
-    CountingLRU.kept = 0
-    mgr = OffloadManager(8192, policy="test_long_prompts:CountingNoRunningOrder")
+    mgr = counting_manager("CountingNoRunningOrder")
     ctx = CountingContext("long")
     per_offer = offer_in_chunks(mgr, ctx, 4096, 128)
     assert max(per_offer) == 0 and CountingLRU.kept == 0
