@@ -17,10 +17,11 @@ best of ``--repeats`` runs: microseconds of manager time per offered key of
 the long prompt (offers, completions and the finish; the other requests'
 calls are not timed), the share of it spent ranking the request's earlier
 blocks ahead of its new ones, in two parts: the manager listing them
-(``OffloadManager._running_blocks``: "order %") and the policy moving them
-(``keep_ahead``: "keep %"); and the keys handed to ``keep_ahead`` per offered
-key (a count, not a time: constant when the work per offer is bounded by the
-chunk, growing with the prompt when it is not).
+(``OffloadManager._keep_ahead`` but the policy's call: "order %") and the
+policy ranking them (``keep_ahead``: "keep %"); and the keys handed to
+``keep_ahead`` as new since the request's previous offer, per offered key (a
+count, not a time: constant when the work per offer is bounded by the chunk,
+growing with the prompt when it is not).
 
 ``--decode N`` then decodes: N more blocks, each offered alone at its own
 step (what vLLM does with ``"offload_prompt_only": false`` in the
@@ -39,6 +40,7 @@ import argparse
 import functools
 import sys
 import time
+from collections.abc import Container, Sequence
 from dataclasses import dataclass
 
 from kvtier import OffloadManager, RequestContext, block_key
@@ -58,27 +60,31 @@ class Run:
 
 
 def _instrument(mgr: OffloadManager, run: Run) -> None:
-    """Time ``_running_blocks`` and ``keep_ahead`` (and count the keys kept ahead)."""
-    running_blocks = mgr._running_blocks
+    """Time ``_keep_ahead`` and the policy's ``keep_ahead`` within it (and count
+    the keys handed to it as new since the request's previous offer)."""
+    manager_keep_ahead = mgr._keep_ahead
     keep_ahead = mgr.policy.keep_ahead
 
-    def timed_running_blocks(ctx: RequestContext) -> list[bytes]:
+    def timed_manager_keep_ahead(new: list[bytes], ctx: RequestContext) -> None:
         t0 = time.perf_counter()
         try:
-            return running_blocks(ctx)
+            manager_keep_ahead(new, ctx)
         finally:
             run.order_s += time.perf_counter() - t0
 
-    def timed_keep_ahead(keys: list[bytes]) -> None:
+    def timed_keep_ahead(token: object, keys: Sequence[bytes], start: int,
+                         new: Container[bytes]) -> None:
         t0 = time.perf_counter()
         try:
-            keep_ahead(keys)
+            keep_ahead(token, keys, start, new)
         finally:
-            run.keep_s += time.perf_counter() - t0
-            run.ahead_keys += len(keys)
+            spent = time.perf_counter() - t0
+            run.keep_s += spent
+            run.order_s -= spent  # counted once, as the policy's
+            run.ahead_keys += len(keys) - start
 
-    mgr._running_blocks = timed_running_blocks  # type: ignore[method-assign]
-    mgr.policy.keep_ahead = timed_keep_ahead  # type: ignore[method-assign]
+    mgr._keep_ahead = timed_manager_keep_ahead  # type: ignore[method-assign]
+    mgr.policy.keep_ahead = timed_keep_ahead  # type: ignore[method-assign,assignment]
 
 
 def _other_traffic(mgr: OffloadManager, step: int, others: int, blocks: int) -> None:

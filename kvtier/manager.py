@@ -422,22 +422,20 @@ class OffloadManager:
             "freed no slot")
 
     def _allocate(self, keys: list[bytes], ctx: RequestContext) -> list[int]:
-        ahead = self._running_blocks(ctx) if ctx.inserted and self._wants_running_order else None
         slots = self._take_slots(keys)
-        if ahead:
-            self.policy.keep_ahead(ahead)
+        if ctx.inserted and self._wants_running_order:
+            self._keep_ahead(keys, ctx)
         ctx.inserted.update(keys)
         ctx.writing.update(keys)
         return slots
 
-    def _running_blocks(self, ctx: RequestContext) -> list[bytes]:
-        """The blocks a running request has used so far that are held, head first
-        (before its latest offer's new keys are inserted).
-
-        The request's order is kept up to date by its context (O(keys logged
-        since its last offer) in the common case); the filter of held blocks
-        is one C-level pass over the request's distinct keys."""
-        return list(filter(self._slot.__contains__, ctx.access_order_view()))
+    def _keep_ahead(self, new: list[bytes], ctx: RequestContext) -> None:
+        """Ask the policy to keep a running request's other blocks ranked above
+        ``new``, its keys just inserted: its access order and how much of it the
+        policy saw at its previous offer (O(keys logged since) in the common
+        case, ``RequestContext.running_order``)."""
+        keys, start = ctx.running_order()
+        self.policy.keep_ahead(ctx, keys, start, set(new))
 
     def _take_slots(self, keys: list[bytes]) -> list[int]:
         """Give distinct new ``keys`` free slots, WRITING (room was made already)."""
@@ -597,6 +595,8 @@ class OffloadManager:
         """
         self.bind(ctx)
         self._drop_leases(ctx)
+        if self._wants_running_order:
+            self.policy.end_run(ctx)
         if ctx.access_log:
             keys = ctx.access_order()
             if self._wants_demand:

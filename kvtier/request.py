@@ -76,6 +76,10 @@ class RequestContext:
         "_order_first",
         "_order_unplaced",
         "_order_sorted",
+        "_order_edits",
+        "_run_view",
+        "_run_edits",
+        "_run_seen",
     )
 
     def __init__(self, req_id: str) -> None:
@@ -114,6 +118,13 @@ class RequestContext:
         """The first ``len(_order_sorted)`` keys of ``_order_first`` by position
         (ties in first-seen order), as of the last call when all had one; None
         before, or since a position changed."""
+        self._order_edits = 0
+        """Changes of the access order other than growth at its end (a rebuild,
+        a sort that placed keys among earlier ones)."""
+        self._run_view: Sequence[bytes] | None = None
+        self._run_edits = 0
+        self._run_seen = 0
+        """The order ``running_order`` returned last, its edit count then and its length."""
 
     def set_position(self, key: bytes, end_token: int) -> None:
         """Record that ``key``'s block ends at token ``end_token`` of this request."""
@@ -184,6 +195,19 @@ class RequestContext:
             return self._order_first
         return self._sorted_order()
 
+    def running_order(self) -> tuple[Sequence[bytes], int]:
+        """``access_order_view()`` and how many of its leading keys are those the
+        previous call returned, unchanged: 0 at the first call, or when the
+        order changed other than by growing at its end. So that the policy
+        keeps a running request's blocks ahead in O(keys logged since)."""
+        view = self.access_order_view()
+        start = self._run_seen
+        if (view is not self._run_view or self._order_edits != self._run_edits
+                or start > len(view)):
+            start = 0
+        self._run_view, self._run_edits, self._run_seen = view, self._order_edits, len(view)
+        return view, start
+
     def _update_first_seen(self) -> None:
         """Bring the first-seen keys up to date with the access log: add the
         keys of lists logged since, or start over when the log or the
@@ -209,6 +233,7 @@ class RequestContext:
             self._order_unplaced.update(k for k in new if k not in positions)
 
     def _forget_order(self) -> None:
+        self._order_edits += 1
         self._order_lists = []
         self._order_positions = None
         self._order_seen = set()
@@ -238,6 +263,7 @@ class RequestContext:
         by_position = self.positions.__getitem__
         order = self._order_sorted
         if order is None:  # the first sort, or a position changed
+            self._order_edits += 1
             order = self._order_sorted = sorted(self._order_first, key=by_position)
             return order
         if len(order) < len(self._order_first):
@@ -248,6 +274,7 @@ class RequestContext:
                 # placed among earlier keys: a stable sort merges the two sorted
                 # runs, earlier keys first on ties (as first seen)
                 order.sort(key=by_position)
+                self._order_edits += 1
         return order
 
     def asked_from(self, keys: list[bytes]) -> int:
@@ -283,6 +310,8 @@ class RequestContext:
         self.first_asked = None
         self.missed_at.clear()
         self.leased.clear()
+        self._run_view = None
+        self._run_seen = 0
 
     def __repr__(self) -> str:
         return (

@@ -1,16 +1,16 @@
-"""Manager work per offer for a long prompt offered chunk by chunk (vLLM's
-chunked prefill), counted, not timed.
+"""Long prompts offered chunk by chunk: the work per offer, and its correctness.
 
-The known fault (not fixed, see the strict xfails): at every offer after the
-first, ``OffloadManager._allocate`` hands all the request's held blocks to
-``keep_ahead``, so a prompt of B blocks offered in C chunks costs O(B * C),
-and each block it offers while decoding (``offload_prompt_only`` false)
-costs O(B).
-Listing them (``OffloadManager._running_blocks``) no longer rebuilds the
-request's order (dedup of its access log, a sort by position) at every offer:
-the context keeps it up to date, which the randomized test below checks
-against the former computation, call by call. What is left of the listing is
-one C-level pass filtering the request's distinct keys for held ones.
+At every offer after the first, the request's earlier blocks must keep
+ranking above its new ones (``keep_ahead``). Moving them all cost O(blocks so
+far) per offer: O(B * C) for a prompt of B blocks offered in C chunks, and
+O(B) for each block it offers while decoding (``offload_prompt_only``
+false). A request past ``KeyOrder.RUN_MIN`` keys now keeps them as one entry
+of the order (``kvtier.policies.runs``), so an offer costs O(its chunk); the
+counts below are of the keys the policy's order actually moves or looks up.
+The manager hands the policy the request's access order and how much of it
+is unchanged since its previous offer (``RequestContext.running_order``), kept
+up to date rather than rebuilt; the randomized tests check both against the
+former computations, call by call, and the order against moving every key.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ import importlib.util
 import itertools
 import random
 import sys
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Callable, Container, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -28,8 +29,11 @@ import pytest
 
 from kvtier import MissingBlocksError, OffloadManager, RequestContext, block_key
 from kvtier.policies.lru import LRUPolicy
+from kvtier.policies.order import KeyOrder
 
 BLOCK_TOKENS = 16
+RUN_MIN = KeyOrder.RUN_MIN
+"""The order's threshold as shipped (the negative control changes the class's)."""
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_long_prompts.py"
 
 
@@ -48,14 +52,40 @@ class CountingContext(RequestContext):
         return keys
 
 
+class CountingOrder(KeyOrder):
+    """A KeyOrder counting the keys it moves and looks up in bulk (its work
+    for a keep-ahead: moving keys, or checking a run's new keys)."""
+
+    __slots__ = ()
+
+    def _to_end(self, keys: Iterable[bytes], add: bool) -> None:
+        keys = keys if isinstance(keys, list) else list(keys)
+        CountingLRU.kept += len(keys)
+        super()._to_end(keys, add)
+
+    def present(self, keys: Iterable[bytes]) -> set[bytes]:
+        keys = keys if isinstance(keys, list) else list(keys)
+        CountingLRU.kept += len(keys)
+        return super().present(keys)
+
+
 class CountingLRU(LRUPolicy):
-    """LRU that counts the keys it is asked to keep ahead."""
+    """LRU whose order counts its work while it keeps a request's blocks ahead."""
 
     kept = 0
 
-    def keep_ahead(self, keys: list[bytes]) -> None:
-        CountingLRU.kept += len(keys)
-        super().keep_ahead(keys)
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self._order = CountingOrder()
+
+    def keep_ahead(self, run: object, keys: Sequence[bytes], start: int,
+                   new: Container[bytes]) -> None:
+        before = CountingLRU.kept
+        super().keep_ahead(run, keys, start, new)
+        CountingLRU.counted += CountingLRU.kept - before
+
+    counted = 0
+    """Of ``kept``, the part within ``keep_ahead`` (the rest: inserts' moves)."""
 
 
 class CountingNoRunningOrder(CountingLRU):
@@ -67,7 +97,7 @@ class CountingNoRunningOrder(CountingLRU):
 def counting_manager(policy: str = "CountingLRU") -> OffloadManager:
     """An 8,192-block manager under one of this module's counting policies,
     its count of keys kept ahead reset."""
-    CountingLRU.kept = 0
+    CountingLRU.kept = CountingLRU.counted = 0
     return OffloadManager(8192, policy=f"test_long_prompts:{policy}")
 
 
@@ -78,7 +108,7 @@ def offer_in_chunks(mgr: OffloadManager, ctx: CountingContext, blocks: int,
     default the keys walked (access log + keep_ahead). Every offer is stored."""
     if work is None:
         def work() -> int:
-            return ctx.walked + CountingLRU.kept
+            return ctx.walked + CountingLRU.counted
     keys = [block_key(i) for i in range(blocks)]
     per_offer = []
     granted: list[bytes] = []
@@ -95,18 +125,16 @@ def offer_in_chunks(mgr: OffloadManager, ctx: CountingContext, blocks: int,
     return per_offer
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "known: keep_ahead of a running request's held blocks costs O(blocks so far) "
-    "per offer; an exact O(chunk) fix needs a group-ordered recency structure"))
 def test_keep_ahead_work_per_offer_is_bounded_by_the_chunk() -> None:
+    # before: each offer moved every held block of the request, 128 more each time
     mgr = counting_manager()
     per_offer = offer_in_chunks(mgr, CountingContext("long"), 4096, 128)
-    assert max(per_offer) <= 2 * 128 + 16, per_offer
+    past = RUN_MIN // 128 + 1  # offers up to RUN_MIN keys move them all
+    assert max(per_offer[:past]) <= RUN_MIN + 16, per_offer
+    assert max(per_offer[past:]) <= 2 * 128 + 16, per_offer
+    assert sum(per_offer) <= 3 * 4096 + RUN_MIN ** 2 // 128, per_offer
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "known: each block a long request offers while it decodes (offload_prompt_only "
-    "false) hands all its held blocks to keep_ahead (README, 'A long prompt')"))
 def test_keep_ahead_work_per_decode_offer_is_bounded() -> None:
     mgr = counting_manager()
     ctx = CountingContext("long")
@@ -115,12 +143,23 @@ def test_keep_ahead_work_per_decode_offer_is_bounded() -> None:
     for i in range(8):  # decode: one new block per offer, stored a step later
         key = [block_key(2048 + i)]
         ctx.set_positions(key, (2049 + i) * BLOCK_TOKENS, BLOCK_TOKENS)
-        before = CountingLRU.kept
+        before = CountingLRU.counted
         out = mgr.prepare_store(key, ctx)
         assert out is not None and out.keys_to_store == key
-        per_offer.append(CountingLRU.kept - before)
+        per_offer.append(CountingLRU.counted - before)
         mgr.complete_store(key, ctx)
-    assert max(per_offer) <= 16, per_offer
+    # the first joins the prompt's last chunk to the request's run
+    assert per_offer[0] <= 128 + 16 and max(per_offer[1:]) <= 16, per_offer
+
+
+def test_the_work_counts_fail_for_a_keep_ahead_that_moves_every_block(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # negative control: with runs off, the same counts see O(blocks so far)
+    monkeypatch.setattr(KeyOrder, "RUN_MIN", 10**9)
+    with pytest.raises(AssertionError):
+        test_keep_ahead_work_per_offer_is_bounded_by_the_chunk()
+    with pytest.raises(AssertionError):
+        test_keep_ahead_work_per_decode_offer_is_bounded()
 
 
 def test_offer_work_without_running_order_is_bounded_by_the_chunk() -> None:
@@ -128,7 +167,7 @@ def test_offer_work_without_running_order_is_bounded_by_the_chunk() -> None:
     mgr = counting_manager("CountingNoRunningOrder")
     ctx = CountingContext("long")
     per_offer = offer_in_chunks(mgr, ctx, 4096, 128)
-    assert max(per_offer) == 0 and CountingLRU.kept == 0
+    assert max(per_offer) == 0 and CountingLRU.counted == 0
     mgr.on_request_finished(ctx)  # the finish lists the whole request, once
     assert ctx.walked == 4096
 
@@ -150,8 +189,9 @@ def test_the_long_prompt_benchmark_runs(capsys: pytest.CaptureFixture[str]) -> N
     rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
     assert [(r[0], r[1]) for r in rows] == [
         ("lru", "256"), ("lru", "512"), ("default", "256"), ("default", "512")]
-    # keys kept ahead per key: (offers - 1) / 2, growing with the prompt (the known fault)
-    assert [float(r[-1]) for r in rows] == [1.5, 3.5, 1.5, 3.5]
+    # keys handed to keep_ahead as new, per key: each once, whatever the length
+    # (all of them, each time, before: (offers - 1) / 2 per key, 1.5 and 3.5 here)
+    assert [float(r[-1]) for r in rows] == [1.0, 1.0, 1.0, 1.0]
 
 
 def test_the_long_prompt_benchmark_times_decode_offers(capsys: pytest.CaptureFixture[str]) -> None:
@@ -161,7 +201,7 @@ def test_the_long_prompt_benchmark_times_decode_offers(capsys: pytest.CaptureFix
     lines = capsys.readouterr().out.splitlines()
     assert lines[1].split()[-2:] == ["decode", "us/offer"]
     row = lines[2].split()
-    assert row[:2] == ["lru", "256"] and float(row[-2]) == 1.5 and float(row[-1]) > 0
+    assert row[:2] == ["lru", "256"] and float(row[-2]) == 1.0 and float(row[-1]) > 0
     with pytest.raises(SystemExit):
         bench.main(["--decode", "-1"])
 
@@ -239,25 +279,79 @@ class Driven:
 MODES = ("chunk", "upfront", "none", "partial", "late", "shared")
 
 
+class CheckedLRU(LRUPolicy):
+    """LRU checking its order, after every call, against an ``OrderedDict``
+    that moves every key (the keep-ahead as it was before runs), and every
+    victim against that order's."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self.ref: OrderedDict[bytes, None] = OrderedDict()
+
+    def _moved(self, keys: Iterable[bytes]) -> None:
+        for k in keys:
+            if k in self.ref:
+                self.ref.move_to_end(k)
+        assert list(self._order) == list(self.ref)
+
+    def insert(self, keys: list[bytes]) -> None:
+        super().insert(keys)
+        self.ref.update(dict.fromkeys(keys))
+
+    def remove(self, key: bytes) -> None:
+        super().remove(key)
+        self.ref.pop(key, None)
+
+    def on_access(self, keys: Sequence[bytes], reused: Container[bytes]) -> None:
+        super().on_access(keys, reused)
+        self._moved(reversed(keys))
+
+    def keep_ahead(self, run: object, keys: Sequence[bytes], start: int,
+                   new: Container[bytes]) -> None:
+        super().keep_ahead(run, keys, start, new)
+        self._moved(reversed([k for k in keys if k not in new]))
+
+    def evict(self, n: int, protected: Container[bytes]) -> list[bytes] | None:
+        expected = [k for k in self.ref if k not in self.blocked and k not in protected][:n]
+        victims = super().evict(n, protected)
+        assert victims == (expected if len(expected) == n else None)
+        for k in victims or ():
+            del self.ref[k]
+        return victims
+
+    def clear(self) -> None:
+        super().clear()
+        self.ref.clear()
+
+
 class Driver:
     """Random interleavings of several requests over one small cache, checking
-    the listing (every ``_running_blocks`` the manager makes, and direct
-    ``access_order`` / ``_running_blocks`` calls) against ``reference_order``."""
+    what the manager hands ``keep_ahead`` (the request's order against
+    ``reference_order``, its unchanged prefix against the previous call's) and
+    direct ``access_order`` calls."""
 
     def __init__(self, policy: str, seed: int) -> None:
         self.rng = random.Random(seed)
         self.mgr = OffloadManager(self.rng.choice([12, 24, 48]), policy=policy)
         self.checked = 0
-        listing = self.mgr._running_blocks
+        self.seen: dict[object, list[bytes]] = {}
+        keep_ahead, end_run = self.mgr.policy.keep_ahead, self.mgr.policy.end_run
 
-        def checked_listing(ctx: RequestContext) -> list[bytes]:
-            expected = [k for k in reference_order(ctx) if k in self.mgr._slot]
-            got = listing(ctx)
-            assert got == expected
+        def checked_keep_ahead(run: object, keys: Sequence[bytes], start: int,
+                               new: Container[bytes]) -> None:
+            assert isinstance(run, RequestContext)
+            assert list(keys) == reference_order(run)
+            assert list(keys[:start]) == self.seen.get(run, [])[:start]
+            self.seen[run] = list(keys)
             self.checked += 1
-            return got
+            keep_ahead(run, keys, start, new)
 
-        self.mgr._running_blocks = checked_listing  # type: ignore[method-assign]
+        def checked_end_run(run: object) -> None:
+            self.seen.pop(run, None)
+            end_run(run)
+
+        self.mgr.policy.keep_ahead = checked_keep_ahead  # type: ignore[method-assign]
+        self.mgr.policy.end_run = checked_end_run  # type: ignore[method-assign]
         self.reqs = [self.start(Driven(RequestContext(f"r{i}"))) for i in range(4)]
 
     def start(self, req: Driven) -> Driven:
@@ -373,20 +467,22 @@ class Driver:
         self.start(req)
 
     def check(self, req: Driven) -> None:
-        expected = reference_order(req.ctx)
-        assert req.ctx.access_order() == expected
-        held = [k for k in expected if k in self.mgr._slot]
-        assert self.mgr._running_blocks(req.ctx) == held
+        assert req.ctx.access_order() == reference_order(req.ctx)
 
 
-@pytest.mark.parametrize("policy", ["default", "lru", "arc", "plfu"])
-def test_listing_is_what_the_rebuild_gave_under_random_interleavings(policy: str) -> None:
-    merged = 0
+@pytest.mark.parametrize("run_min", [0, 8])  # 0: every running request's keys are a run
+@pytest.mark.parametrize("policy", ["default", "lru", "arc", "plfu",
+                                    "test_long_prompts:CheckedLRU"])
+def test_keep_ahead_gets_what_the_rebuild_gave_under_random_interleavings(
+        policy: str, run_min: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(KeyOrder, "RUN_MIN", run_min)
+    merged = checked = 0
     for seed in range(12):
         driver = Driver(policy, seed)
         for _ in range(600):
             driver.step()
             merged += any(len(r.ctx.access_log) == 1 and len(r.ctx.access_log[0]) > 8
                           for r in driver.reqs)
-        assert driver.checked > 100
+        checked += driver.checked
+    assert checked > 12 * 30  # keep-aheads checked
     assert merged  # the MAX_ACCESS_LISTS merge happened along the way

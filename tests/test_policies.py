@@ -327,3 +327,19 @@ def test_an_abstract_custom_policy_is_refused_when_named() -> None:
 
     with pytest.raises(ValueError, match=r"is abstract: it does not implement .*evict"):
         policy_class("kvtier.policies:EvictionPolicy")
+
+
+class _OldKeepAhead(LRUPolicy):
+    """A custom policy written to the contract before runs: ``keep_ahead(keys)``."""
+
+    def keep_ahead(self, keys: list[bytes]) -> None:  # type: ignore[override]
+        self._order.move_present(reversed(keys))
+
+
+def test_a_custom_policy_with_the_former_keep_ahead_is_refused_when_named() -> None:
+    # it would fail with a TypeError at a running request's second offer
+    from kvtier.policies import policy_class
+
+    with pytest.raises(ValueError, match=r"keep_ahead does not take \(run, keys, start, new\)"):
+        policy_class("test_policies:_OldKeepAhead")
+    assert policy_class("test_recency:RecordingRunningOrder").wants_running_order  # control

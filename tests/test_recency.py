@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Container, Sequence
 from typing import ClassVar
 
 import pytest
@@ -294,9 +295,10 @@ class RecordingRunningOrder(LRUPolicy):
 
     calls: ClassVar[list[list[bytes]]] = []
 
-    def keep_ahead(self, ks: list[bytes]) -> None:
-        self.calls.append(ks)
-        super().keep_ahead(ks)
+    def keep_ahead(self, run: object, ks: Sequence[bytes], start: int,
+                   new: Container[bytes]) -> None:
+        self.calls.append([k for k in ks[start:] if k not in new and k in self._order])
+        super().keep_ahead(run, ks, start, new)
 
 
 def test_without_keep_ahead_the_head_of_a_running_request_leaves_first() -> None:

@@ -50,7 +50,23 @@ def policy_class(name: str) -> type[EvictionPolicy]:
     if inspect.isabstract(cls):  # refused here, at start-up, not at the first cache
         missing = ", ".join(sorted(getattr(cls, "__abstractmethods__", ())))
         raise ValueError(f"{name!r} is abstract: it does not implement {missing}")
+    _check_keep_ahead(name, cls)
     return cls
+
+
+def _check_keep_ahead(name: str, cls: type[EvictionPolicy]) -> None:
+    """Refuse, at start-up, a running-order policy whose ``keep_ahead`` takes
+    the arguments of the contract before runs (``keys`` alone)."""
+    if not cls.wants_running_order:
+        return
+    try:
+        inspect.signature(cls.keep_ahead).bind(None, None, (), 0, frozenset())
+    except TypeError:
+        raise ValueError(
+            f"{name!r} wants_running_order, but its keep_ahead does not take "
+            "(run, keys, start, new): see EvictionPolicy.keep_ahead (its single "
+            "keys argument was replaced, so that an offer costs O(its new keys))"
+        ) from None
 
 
 def make_policy(name: str, capacity: int) -> EvictionPolicy:

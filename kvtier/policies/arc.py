@@ -61,8 +61,12 @@ class ARCPolicy(EvictionPolicy):
         self._t1.add_many(keys)
         self._trim_ghosts()
 
-    def keep_ahead(self, keys: list[bytes]) -> None:
-        self._t1.move_present(reversed(keys))  # T2 keys keep their place
+    def keep_ahead(self, run: object, keys: Sequence[bytes], start: int,
+                   new: Container[bytes]) -> None:
+        self._t1.keep_run_ahead(run, keys, start, new)  # T2 keys keep their place
+
+    def end_run(self, run: object) -> None:
+        self._t1.end_run(run)
 
     def remove(self, key: bytes) -> None:
         if not self._t1.discard(key):

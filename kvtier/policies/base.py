@@ -28,12 +28,17 @@ class EvictionPolicy(ABC):
       request asked the cache for (``keys[:asked_from]`` were served by a
       cache in front of it, such as the engine's prefix cache, and reached
       this one only as offers);
-    * ``keep_ahead(keys)`` (only when ``wants_running_order``): a running
-      request offered more blocks and they were inserted; ``keys`` are the
-      request's other blocks the policy holds, head first, which should keep
-      ranking above the new ones (tails leave before heads while a request
-      runs too: vLLM offers a long prompt chunk by chunk as it computes it).
-      Not a use of the blocks;
+    * ``keep_ahead(run, keys, start, new)`` (only when ``wants_running_order``):
+      a running request offered more blocks and ``new`` were inserted; its
+      other blocks the policy holds should keep ranking above them (tails
+      leave before heads while a request runs too: vLLM offers a long prompt
+      chunk by chunk as it computes it). ``keys``: every key the request used
+      so far, head first, held or not; ``keys[:start]`` are unchanged since
+      the previous call for ``run`` (a token, the same until ``end_run``), so
+      that a policy can do O(new keys) work per offer
+      (``KeyOrder.keep_run_ahead``). Not a use of the blocks;
+    * ``end_run(run)`` (only when ``wants_running_order``): the request of
+      ``run`` finished (before its ``on_access``);
     * ``on_store_misses(keys)``: new store candidates, each once per request,
       before their ``insert`` (ghost-list policies learn from them); returns
       the keys it learned from, so the manager remembers only those;
@@ -77,9 +82,14 @@ class EvictionPolicy(ABC):
         """Learn from keys about to be inserted; return those it learned from."""
         return []
 
-    def keep_ahead(self, keys: list[bytes]) -> None:
-        """Rank held ``keys`` (a running request's earlier blocks, head first)
-        above the blocks just inserted; nothing here."""
+    def keep_ahead(self, run: object, keys: Sequence[bytes], start: int,
+                   new: Container[bytes]) -> None:
+        """Rank the held keys of ``keys`` (a running request's blocks, head
+        first) but ``new`` above ``new``, the blocks just inserted; nothing here."""
+        return None
+
+    def end_run(self, run: object) -> None:
+        """Forget the running request of token ``run`` (it finished); nothing here."""
         return None
 
     def admit(self, keys: list[bytes]) -> int:

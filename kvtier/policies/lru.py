@@ -39,8 +39,12 @@ class LRUPolicy(EvictionPolicy):
     def on_access(self, keys: Sequence[bytes], reused: Container[bytes]) -> None:
         self._order.move_present(reversed(keys))
 
-    def keep_ahead(self, keys: list[bytes]) -> None:
-        self._order.move_present(reversed(keys))
+    def keep_ahead(self, run: object, keys: Sequence[bytes], start: int,
+                   new: Container[bytes]) -> None:
+        self._order.keep_run_ahead(run, keys, start, new)
+
+    def end_run(self, run: object) -> None:
+        self._order.end_run(run)
 
     def evict(self, n: int, protected: Container[bytes]) -> list[bytes] | None:
         if n <= 0:

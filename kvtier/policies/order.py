@@ -14,7 +14,9 @@ its own request's access is placed once, not twice.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Container, Iterable, Iterator
+from collections.abc import Container, Iterable, Iterator, Sequence
+
+from kvtier.policies.runs import Run, Runs
 
 
 class KeyOrder:
@@ -42,15 +44,22 @@ class KeyOrder:
     list. Memory: one dict entry per key (about 42 B at a million keys) and
     one list slot (8 B) per key of the old part, plus stale list slots and
     dict holes up to the number of keys at the last rebuild.
+
+    ``keep_run_ahead`` keeps a long running request's keys ahead of its new
+    ones as one entry, a run (``kvtier.policies.runs``; while runs exist,
+    scans go key by key through them: the C-speed paths are for no runs).
     """
 
     __slots__ = ("_old", "_old_order", "_parked", "_mid", "_tail", "_pending", "_dead",
-                 "_holes")
+                 "_holes", "_runs")
 
     TRIM_EVERY = 64
     """Keys that may leave the old part before its list's end is trimmed."""
     SCAN_PENDING = 64
     """Pending keys a membership test scans (more are indexed first)."""
+    RUN_MIN = 512
+    """Keys of a running request past which ``keep_run_ahead`` keeps them as one
+    entry (a :class:`~kvtier.policies.runs.Run`) rather than moving them all."""
 
     def __init__(self) -> None:
         self._old: dict[bytes, None] = {}
@@ -61,6 +70,7 @@ class KeyOrder:
         self._pending: list[bytes] = []
         self._dead = 0  # stale slots in _old_order and _parked
         self._holes = 0  # victims that left stale slots since the last trim
+        self._runs: Runs | None = None  # running requests' kept-ahead keys (keep_run_ahead)
 
     def _settle(self) -> None:
         """Index the pending keys (into ``_tail``)."""
@@ -70,9 +80,12 @@ class KeyOrder:
         self._pending.clear()
 
     def __len__(self) -> int:
-        return len(self._old) + len(self._mid) + len(self._tail) + len(self._pending)
+        n = len(self._old) + len(self._mid) + len(self._tail) + len(self._pending)
+        return n - self._runs.entries if self._runs is not None else n
 
     def __bool__(self) -> bool:
+        if self._runs is not None:  # a run's entry is not a key
+            return len(self) > 0
         return bool(self._old or self._mid or self._tail or self._pending)
 
     def __contains__(self, key: object) -> bool:
@@ -88,6 +101,12 @@ class KeyOrder:
 
     def __iter__(self) -> Iterator[bytes]:
         """Oldest first; the order must not change while an iterator is in use."""
+        if self._runs is not None:
+            return self._runs.scan(self._entries())
+        return self._entries()
+
+    def _entries(self) -> Iterator[bytes]:
+        """Every entry, oldest first: a run's entry (``Run``) among the keys."""
         if self._pending:
             self._settle()
         if not self._dead:
@@ -123,14 +142,24 @@ class KeyOrder:
             self._settle()
         if key not in self._old and key not in self._mid:
             self._tail[key] = None
+            if self._runs is not None and self._runs.waiting:
+                self._runs.added([key])
 
     def add_many(self, keys: Iterable[bytes]) -> None:
         """Append ``keys``, distinct and absent, in order (for keys that may be
         present, use ``add``)."""
+        if self._runs is not None and self._runs.waiting:
+            keys = keys if isinstance(keys, list) else list(keys)
+            self._runs.added(keys)
         self._pending.extend(keys)
 
     def discard(self, key: bytes) -> bool:
         """Remove ``key`` if present; whether it was."""
+        if self._runs is not None and key in self._runs.lifted:
+            self._runs.left([key], self._drop_run)
+        return self._discard(key)
+
+    def _discard(self, key: object) -> bool:
         if self._pending:
             self._settle()
         if key in self._mid:
@@ -151,6 +180,8 @@ class KeyOrder:
     def discard_many(self, keys: Iterable[bytes]) -> list[bytes]:
         """Remove each of ``keys`` that is present; return those, in order."""
         keys = keys if isinstance(keys, list) else list(keys)
+        if self._runs is not None and self._runs.lifted:
+            self._runs.left([k for k in keys if k in self._runs.lifted], self._drop_run)
         if self._pending and not set(keys).isdisjoint(self._pending):
             self._settle()
         old, mid, tail = self._old, self._mid, self._tail
@@ -184,11 +215,55 @@ class KeyOrder:
         ``keys``; the keys added since the previous move and not in ``keys``
         keep their place before them.
         """
+        keys = keys if isinstance(keys, list) else list(keys)
+        runs = self._runs
+        if runs is not None:
+            runs.moved(keys, self._drop_run)
+            if runs.waiting:
+                runs.added([k for k in keys if k not in self])
         self._to_end(keys, True)
 
     def move_present(self, keys: Iterable[bytes]) -> None:
         """``to_end`` of the keys of ``keys`` that are present (others ignored)."""
+        if self._runs is not None:
+            keys = keys if isinstance(keys, list) else list(keys)
+            self._runs.moved(keys, self._drop_run)
         self._to_end(keys, False)
+
+    # -- running requests ----------------------------------------------------------
+
+    def keep_run_ahead(self, run: object, keys: Sequence[bytes], start: int,
+                       new: Container[bytes]) -> None:
+        """``move_present(reversed([k for k in keys if k not in new]))`` for a
+        running request, in O(``len(keys) - start``) and the keys of the
+        request that left its run since its previous call (``kvtier.policies.runs``).
+
+        ``run``: the request's token (hashable; the same at each call, until
+        :meth:`end_run`); ``keys``: its access order, head first, whose first
+        ``start`` keys are those of its previous call, unchanged (0: take it
+        whole); ``new``: its keys stored just now, which rank below the others.
+        """
+        runs = self._runs
+        if (runs is None or run not in runs.active) and len(keys) <= self.RUN_MIN:
+            self.move_present(reversed([k for k in keys if k not in new]))
+            return
+        if runs is None:
+            runs = self._runs = Runs()
+        runs.keep_ahead(run, keys, start, new, self.present, self._place_run, self._drop_run)
+
+    def end_run(self, run: object) -> None:
+        """The request of token ``run`` finished: its keys keep their rank and
+        are no longer kept ahead (a no-op for a token never kept ahead)."""
+        if self._runs is not None:
+            self._runs.end(run, self._drop_run)
+
+    def _place_run(self, run: Run) -> None:
+        self._to_end([run], True)  # type: ignore[list-item]
+
+    def _drop_run(self, run: Run) -> None:
+        self._discard(run)
+        if self._runs is not None and not self._runs.entries:
+            self._runs = None  # no run left: every operation takes its plain path again
 
     def _to_end(self, keys: Iterable[bytes], add: bool) -> None:
         keys = keys if isinstance(keys, list) else list(keys)
@@ -239,6 +314,11 @@ class KeyOrder:
 
     def pop_oldest(self) -> bytes:
         """Remove and return the oldest key; ``KeyError`` when empty."""
+        if self._runs is not None:
+            out = self.take_oldest(1)
+            if not out:
+                raise KeyError("pop_oldest from an empty KeyOrder")
+            return out[0]
         if self._pending:
             self._settle()
         if not self._old:
@@ -264,6 +344,10 @@ class KeyOrder:
         """Remove and return the ``n`` oldest keys, oldest first (fewer if shorter)."""
         out: list[bytes] = []
         if n <= 0:
+            return out
+        if self._runs is not None:
+            out = take(iter(self), n)
+            self.evicted(out)
             return out
         if self._pending:
             self._settle()
@@ -296,7 +380,7 @@ class KeyOrder:
         if self._pending:
             self._settle()
         old, order = self._old, self._old_order
-        if not self._parked and len(order) >= n:
+        if self._runs is None and not self._parked and len(order) >= n:
             last = order[-n:]
             for container in (old, *skip) if self._dead else skip:
                 if container is old:
@@ -338,8 +422,14 @@ class KeyOrder:
         old, order = self._old, self._old_order
         n = len(victims)
         last = victims[-1] if n else None
-        if (n and not self._parked and len(order) >= n and order[-n] is last
-                and last in old):
+        runs = self._runs
+        if runs is not None:
+            # a scan passes a run's members at its entry, out of the list's order
+            runs.left(victims, self._drop_run)
+            last = None
+            skipped = (*skipped, runs.lifted)
+        if (n and last is not None and not self._parked and len(order) >= n
+                and order[-n] is last and last in old):
             # The common case: the victims are the last n slots of the list (a
             # scan that took its last victim, live in the old part, n slots from
             # the end took every slot it passed).
@@ -411,7 +501,8 @@ class KeyOrder:
         self._dead = self._holes = 0
 
     def clear(self) -> None:
-        """Forget every key."""
+        """Forget every key (and every run)."""
+        self._runs = None
         self._old, self._old_order, self._parked = {}, [], []
         self._mid, self._tail = {}, {}
         self._pending = []

@@ -186,10 +186,14 @@ class PLFUPolicy(EvictionPolicy):
         self._fresh.update(keys)
         self._window.add_many(reversed(keys))
 
-    def keep_ahead(self, keys: list[bytes]) -> None:
+    def keep_ahead(self, run: object, keys: Sequence[bytes], start: int,
+                   new: Container[bytes]) -> None:
         # the window's part of a running request stays ahead of its newer blocks;
         # main keys keep their rank (frequency protects them)
-        self._window.move_present(reversed(keys))
+        self._window.keep_run_ahead(run, keys, start, new)
+
+    def end_run(self, run: object) -> None:
+        self._window.end_run(run)
 
     def _from_ghost(self, key: bytes) -> None:
         """A block came back: adapt ``target`` (and ``lfu_share``) if it was a ghost.

@@ -1,7 +1,7 @@
 """The eviction-policy contract under random use, shared by every policy's tests.
 
 ``exercise`` plays a sequence of operations (store with admission and
-eviction, and ``keep_ahead`` as for a later chunk; access, pin/unpin, failed
+eviction, and ``keep_ahead`` as for a later chunk, ``end_run``; access, pin/unpin, failed
 store, explicit evict) against a policy
 the way the manager would, and checks after each one what every policy owes:
 atomic eviction (a failed ``evict`` leaves the policy as it was), never a
@@ -27,6 +27,8 @@ Op = tuple[int, Sequence[int]]
 OPERATIONS = 6
 LONGEST = 8
 """Most keys one operation works on (``random_ops``, ``OPS``)."""
+RUNS = ("run-0", "run-1", "run-2")
+"""Tokens of the running requests whose blocks ``keep_ahead`` keeps ahead."""
 
 
 def random_ops(rng: random.Random, steps: int, universe: int = 40,
@@ -75,6 +77,8 @@ def _access(pol: EvictionPolicy, ks: list[bytes], reused: set[bytes],
             rng: random.Random) -> None:
     """One request's access; for a policy that wants it, with a random start of
     the keys the request asked for (the rest were served by a cache in front)."""
+    if pol.wants_running_order and rng.random() < 0.5:
+        pol.end_run(rng.choice(RUNS))
     if pol.wants_demand:
         pol.on_demand_access(ks, reused, rng.randint(0, len(ks)))
     else:
@@ -106,7 +110,8 @@ def _store(pol: EvictionPolicy, ks: list[bytes], resident: set[bytes], rng: rand
     pol.insert(new)
     resident.update(new)
     if held and pol.wants_running_order and rng.random() < 0.5:
-        pol.keep_ahead(held)  # as for a later chunk of a running request
+        # as for a later chunk of a running request (a shared run now and then)
+        pol.keep_ahead(rng.choice(RUNS), ks, 0, set(new))
     pol.blocked.difference_update([key for key in new if rng.random() < 0.8])
 
 
