@@ -58,10 +58,10 @@ class CountingOrder(KeyOrder):
 
     __slots__ = ()
 
-    def _to_end(self, keys: Iterable[bytes], add: bool) -> None:
+    def _to_end(self, keys: Iterable[bytes], add: bool, distinct: bool = False) -> None:
         keys = keys if isinstance(keys, list) else list(keys)
         CountingLRU.kept += len(keys)
-        super()._to_end(keys, add)
+        super()._to_end(keys, add, distinct)
 
     def present(self, keys: Iterable[bytes]) -> set[bytes]:
         keys = keys if isinstance(keys, list) else list(keys)

@@ -81,7 +81,7 @@ class KeyOrder:
 
     def __len__(self) -> int:
         n = len(self._old) + len(self._mid) + len(self._tail) + len(self._pending)
-        return n - self._runs.entries if self._runs is not None else n
+        return n - len(self._runs.placed) if self._runs is not None else n
 
     def __bool__(self) -> bool:
         if self._runs is not None:  # a run's entry is not a key
@@ -245,7 +245,11 @@ class KeyOrder:
         """
         runs = self._runs
         if (runs is None or run not in runs.active) and len(keys) <= self.RUN_MIN:
-            self.move_present(reversed([k for k in keys if k not in new]))
+            ahead = list(itertools.filterfalse(new.__contains__, keys)) if new else list(keys)
+            ahead.reverse()
+            if runs is not None:
+                runs.moved(ahead, self._drop_run)
+            self._to_end(ahead, False, distinct=True)
             return
         if runs is None:
             runs = self._runs = Runs()
@@ -262,10 +266,11 @@ class KeyOrder:
 
     def _drop_run(self, run: Run) -> None:
         self._discard(run)
-        if self._runs is not None and not self._runs.entries:
+        if self._runs is not None and not self._runs.placed:
             self._runs = None  # no run left: every operation takes its plain path again
 
-    def _to_end(self, keys: Iterable[bytes], add: bool) -> None:
+    def _to_end(self, keys: Iterable[bytes], add: bool, distinct: bool = False) -> None:
+        """``to_end`` (``add``) or ``move_present``; ``distinct``: no key twice."""
         keys = keys if isinstance(keys, list) else list(keys)
         old, mid, tail, pending = self._old, self._mid, self._tail, self._pending
         if pending:
@@ -304,7 +309,7 @@ class KeyOrder:
         if tail:  # added before, not moved: they stay before the moved keys
             mid.update(tail)
             tail.clear()
-        if missing and len(set(keys)) != len(keys):  # a key twice: its last occurrence
+        if missing and not distinct and len(set(keys)) != len(keys):  # a key twice: its last one
             found = set(moved)
             moved = [k for k in reversed(dict.fromkeys(reversed(keys))) if k in found]
         for key in moved:
@@ -379,10 +384,13 @@ class KeyOrder:
             return []
         if self._pending:
             self._settle()
-        old, order = self._old, self._old_order
-        if self._runs is None and not self._parked and len(order) >= n:
+        old, order, runs = self._old, self._old_order, self._runs
+        if not self._parked and len(order) >= n:
             last = order[-n:]
-            for container in (old, *skip) if self._dead else skip:
+            checks: tuple[Container[object], ...] = (old, *skip) if self._dead else skip
+            if runs is not None:  # a run's entry, or a member's stale one: the scan below
+                checks = (runs.placed, runs.lifted.keys(), *checks)
+            for container in checks:
                 if container is old:
                     if not all(map(old.__contains__, last)):
                         break
