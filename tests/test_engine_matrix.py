@@ -20,7 +20,8 @@ engine did not compute. The features:
   kvtier is not asked either, and the prompt logprobs match.
 - A long prompt prefilled over many chunked-prefill steps, its last block
   partial (or none), served from kvtier after the engine's own cache was
-  flushed.
+  flushed; also with its earlier blocks kept ahead as one run
+  (``kvtier.policies.runs``) at every offer.
 - Two requests sharing a prefix, one aborted while kvtier's copies to the
   engine run (slowed down on kvtier's copy thread: a slow transfer is a fault a
   real part cannot produce on demand), or while the shared blocks are promoted
@@ -77,6 +78,8 @@ LONG = token_prompt(700, start=2100)
 """21 full blocks + 28 tokens: 9 chunked-prefill steps of 80 tokens."""
 LONG_EXACT = token_prompt(672, start=2500)
 """21 full blocks, no partial one: the whole prompt can come from kvtier."""
+LONG_RUN, LONG_EXACT_RUN = token_prompt(700, start=2101), token_prompt(672, start=2501)
+"""The same shapes, other tokens: served with the request's blocks kept ahead as a run."""
 FAMILY = [token_prompt(128, start=77) + token_prompt(96, start=3000 + 53 * i) for i in range(2)]
 """A shared 4-block prefix with distinct 3-block tails."""
 CLEAN = {"pinned": 0, "leased": 0, "leases_held": 0, "lease_holders": 0, "writing": 0,
@@ -304,6 +307,7 @@ def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
 
 REFERENCE_ASKS = [ask(SALTED), ask(ADAPTED), ask(ADAPTED, adapter=1), ask(ADAPTED, adapter=2),
                   ask(SAMPLED, n=3), ask(LOGPROBS, prompt_logprobs=2), ask(LONG), ask(LONG_EXACT),
+                  ask(LONG_RUN), ask(LONG_EXACT_RUN),
                   *(ask(p) for p in FAMILY)]
 
 
@@ -476,11 +480,27 @@ def test_prompt_logprobs_bypass_kvtier(pool: Pool, tiered: LLM,
 # -- chunked prefill --------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("prompt", [LONG, LONG_EXACT], ids=["partial-last-block", "whole-blocks"])
+@pytest.mark.parametrize("prompt,runs", [
+    (LONG, False), (LONG_EXACT, False), (LONG_RUN, True), (LONG_EXACT_RUN, True)],
+    ids=["partial-last-block", "whole-blocks", "partial-last-block-as-a-run",
+         "whole-blocks-as-a-run"])
 def test_chunked_prefill_blocks_are_served_after_a_flush(
     pool: Pool, tiered: LLM, reference: dict[Ask, Answer], monkeypatch: pytest.MonkeyPatch,
-    prompt: list[int],
+    prompt: list[int], runs: bool,
 ) -> None:
+    kept_as_runs: list[int] = []
+    if runs:  # the request's earlier blocks kept ahead as one entry (kvtier.policies.runs)
+        from kvtier.policies.order import KeyOrder
+        from kvtier.policies.runs import Runs
+
+        keep_ahead = Runs.keep_ahead
+
+        def spied(self: Runs, token: Any, keys: Any, *rest: Any) -> None:
+            kept_as_runs.append(len(keys))
+            keep_ahead(self, token, keys, *rest)
+
+        monkeypatch.setattr(KeyOrder, "RUN_MIN", 0)
+        monkeypatch.setattr(Runs, "keep_ahead", spied)
     adapter = E.kvtier_adapter(tiered)
     offers: list[int] = []
     prepare_store = adapter.prepare_store
@@ -500,6 +520,7 @@ def test_chunked_prefill_blocks_are_served_after_a_flush(
     assert warm.cached == served(prompt)
     assert counters.grown("hits") == served(prompt) // BLOCK
     assert warm.samples == reference[request].samples
+    assert bool(kept_as_runs) == runs, kept_as_runs
 
 
 # -- the disk tier, across a second engine ----------------------------------------------

@@ -13,6 +13,7 @@ from helpers.policy_contract import drive_manager, exercise, random_ops
 import kvtier
 from kvtier import OffloadManager
 from kvtier.policies import ARCPolicy, LRUPolicy, policy_class
+from kvtier.policies.order import KeyOrder
 
 CUSTOM = "helpers.custom_policy:NewestFirstPolicy"
 
@@ -296,6 +297,17 @@ def test_every_policy_keeps_the_contract_under_random_use(name: str, seed: int) 
     blocks, admission declines only a suffix, ``sizes`` stays bounded
     (``helpers.policy_contract``)."""
     rng = random.Random(f"{name}-{seed}")
+    pol = policy_class(name)(rng.randint(1, 12))
+    exercise(pol, random_ops(rng, 400), rng)
+
+
+@pytest.mark.parametrize("name", sorted(kvtier.POLICIES))
+@pytest.mark.parametrize("seed", range(3))
+def test_every_policy_keeps_the_contract_with_every_request_as_a_run(
+        name: str, seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the same, with each keep-ahead made a run (kvtier.policies.runs)
+    monkeypatch.setattr(KeyOrder, "RUN_MIN", 0)
+    rng = random.Random(f"{name}-{seed}-runs")
     pol = policy_class(name)(rng.randint(1, 12))
     exercise(pol, random_ops(rng, 400), rng)
 

@@ -141,7 +141,7 @@ def drive(order: KeyOrder, ref: Reference, seed: int, steps: int = 1500) -> None
         assert len(order) == len(ref)
     for req in running:
         order.end_run(req.token)
-    assert order._runs is None or len(order._runs.placed) == len(
+    assert order._runs is None or len(order._runs.in_order) == len(
         {id(r) for r in order._runs.lifted.values()})
 
 

@@ -85,7 +85,8 @@ class EvictionPolicy(ABC):
     def keep_ahead(self, run: object, keys: Sequence[bytes], start: int,
                    new: Container[bytes]) -> None:
         """Rank the held keys of ``keys`` (a running request's blocks, head
-        first) but ``new`` above ``new``, the blocks just inserted; nothing here."""
+        first), but those in ``new``, above ``new`` (its blocks just inserted);
+        nothing here."""
         return None
 
     def end_run(self, run: object) -> None:

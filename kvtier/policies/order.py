@@ -81,7 +81,7 @@ class KeyOrder:
 
     def __len__(self) -> int:
         n = len(self._old) + len(self._mid) + len(self._tail) + len(self._pending)
-        return n - len(self._runs.placed) if self._runs is not None else n
+        return n - len(self._runs.in_order) if self._runs is not None else n
 
     def __bool__(self) -> bool:
         if self._runs is not None:  # a run's entry is not a key
@@ -266,7 +266,7 @@ class KeyOrder:
 
     def _drop_run(self, run: Run) -> None:
         self._discard(run)
-        if self._runs is not None and not self._runs.placed:
+        if self._runs is not None and not self._runs.in_order:
             self._runs = None  # no run left: every operation takes its plain path again
 
     def _to_end(self, keys: Iterable[bytes], add: bool, distinct: bool = False) -> None:
@@ -389,7 +389,7 @@ class KeyOrder:
             last = order[-n:]
             checks: tuple[Container[object], ...] = (old, *skip) if self._dead else skip
             if runs is not None:  # a run's entry, or a member's stale one: the scan below
-                checks = (runs.placed, runs.lifted.keys(), *checks)
+                checks = (runs.in_order, runs.lifted.keys(), *checks)
             for container in checks:
                 if container is old:
                     if not all(map(old.__contains__, last)):

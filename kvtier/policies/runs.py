@@ -61,7 +61,7 @@ class Runs:
     Owns ``lifted`` (each member and its run: a key is a member of one run at
     most), ``waiting`` (keys of running requests not in the order now, and
     the runs that want them back when they are added again), ``active``
-    (running requests' runs, by the caller's token) and ``placed`` (the runs
+    (running requests' runs, by the caller's token) and ``in_order`` (the runs
     with an entry in the order: the active ones and the finished ones with
     members). Bounded by the keys of the running requests plus the members of
     finished runs (at most the order's keys).
@@ -71,7 +71,7 @@ class Runs:
     ``place`` and ``drop`` callables given to :meth:`keep_ahead` and the others.
     """
 
-    __slots__ = ("lifted", "waiting", "active", "placed")
+    __slots__ = ("lifted", "waiting", "active", "in_order")
 
     DEAD_SLACK = 64
     """Dead entries a run may hold beyond its live ones before it is compacted."""
@@ -80,7 +80,7 @@ class Runs:
         self.lifted: dict[bytes, Run] = {}
         self.waiting: dict[bytes, list[Run]] = {}
         self.active: dict[object, Run] = {}
-        self.placed: set[Run] = set()
+        self.in_order: set[Run] = set()
 
     # -- a running request's keep-ahead ---------------------------------------
 
@@ -99,7 +99,7 @@ class Runs:
         if run is None or start == 0:  # ``keys`` whole, whatever ``start`` says
             old, run = run, Run()
             self.active[token] = run
-            self.placed.add(run)
+            self.in_order.add(run)
             start = 0
             if old is not None:  # its keys' order changed: a run anew; the old
                 self._finish(old, drop)  # one's members keep their rank until taken
@@ -221,7 +221,7 @@ class Runs:
         """Drop dead entries from ``run``'s tail, compact it when they
         outnumber the live ones, end it when finished and empty."""
         if not run.active and run.live == 0:
-            self.placed.discard(run)
+            self.in_order.discard(run)
             drop(run)
             return
         members, lifted, placed = run.members, self.lifted, run.placed
@@ -246,7 +246,7 @@ class Runs:
             self._unwait(run)
         run.index, run.out = {}, set()
         if run.live == 0:
-            self.placed.discard(run)
+            self.in_order.discard(run)
             drop(run)
 
     def _unwait(self, run: Run) -> None:
