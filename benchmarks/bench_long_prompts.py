@@ -19,9 +19,10 @@ calls are not timed), the share of it spent ranking the request's earlier
 blocks ahead of its new ones, in two parts: the manager listing them
 (``OffloadManager._keep_ahead`` but the policy's call: "order %") and the
 policy ranking them (``keep_ahead``: "keep %"); and the keys handed to
-``keep_ahead`` as new since the request's previous offer, per offered key (a
-count, not a time: constant when the work per offer is bounded by the chunk,
-growing with the prompt when it is not).
+``keep_ahead`` as new since the request's previous offer, per offered key
+(a count: 1 when the manager hands each key once, as it does since
+``RequestContext.running_order``; the policy's own work per offer shows in
+the time columns, which grow with the prompt where it moves every block).
 
 ``--decode N`` then decodes: N more blocks, each offered alone at its own
 step (what vLLM does with ``"offload_prompt_only": false`` in the

@@ -42,7 +42,9 @@ class RequestContext:
     * the access order kept up to date (``access_order_view``): the access
       log's distinct keys in first-seen order and, once every one has a
       position, in position order, extended by each call with the keys logged
-      since the one before (at most four references per distinct key).
+      since the one before (at most four references per distinct key); and
+      what ``running_order`` returned last (that list, its length, its edit
+      count), so that the policy is handed only the keys logged since.
 
     Every set is bounded by the number of distinct keys the request passes to
     the manager, that is by its prompt's block count. ``epoch`` ties the state

@@ -46,8 +46,8 @@ class KeyOrder:
     dict holes up to the number of keys at the last rebuild.
 
     ``keep_run_ahead`` keeps a long running request's keys ahead of its new
-    ones as one entry, a run (``kvtier.policies.runs``; while runs exist,
-    scans go key by key through them: the C-speed paths are for no runs).
+    ones as one entry, a run (``kvtier.policies.runs``): a scan that meets a
+    run's entry, or a member's stale one, goes key by key (``Runs.scan``).
     """
 
     __slots__ = ("_old", "_old_order", "_parked", "_mid", "_tail", "_pending", "_dead",
@@ -235,8 +235,9 @@ class KeyOrder:
     def keep_run_ahead(self, run: object, keys: Sequence[bytes], start: int,
                        new: Container[bytes]) -> None:
         """``move_present(reversed([k for k in keys if k not in new]))`` for a
-        running request, in O(``len(keys) - start``) and the keys of the
-        request that left its run since its previous call (``kvtier.policies.runs``).
+        running request: so, for up to ``RUN_MIN`` keys; past it, as a run, in
+        O(``len(keys) - start``) and the keys of the request that left its run
+        since its previous call (``kvtier.policies.runs``).
 
         ``run``: the request's token (hashable; the same at each call, until
         :meth:`end_run`); ``keys``: its access order, head first, whose first
