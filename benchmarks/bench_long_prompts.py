@@ -9,7 +9,10 @@ step offers the next ``--chunk`` keys (positions set as vLLM's scheduler sets
 them) and completes the stores granted at the step before (the worker's
 copies finish a step later), and the last step finishes the request.
 ``--others N`` adds N short requests (``--other-blocks`` keys, one offer,
-finished at once) at every step, as other traffic in the same steps.
+finished at once) at every step, as other traffic in the same steps, and at
+each of ``--after`` steps after the prompt finished (default 0); their
+manager time per request is reported apart ("others us/req": what a long
+request's blocks, kept ahead as a run, cost the traffic around them).
 
 The cache holds ``--capacity-factor`` times the prompt (default 2: no
 eviction of the prompt itself). Reported per policy and prompt length, the
@@ -58,6 +61,8 @@ class Run:
     order_s: float = 0.0
     keep_s: float = 0.0
     ahead_keys: int = 0
+    others_s: float = 0.0
+    others_n: int = 0
 
 
 def _instrument(mgr: OffloadManager, run: Run) -> None:
@@ -88,20 +93,27 @@ def _instrument(mgr: OffloadManager, run: Run) -> None:
     mgr.policy.keep_ahead = timed_keep_ahead  # type: ignore[method-assign,assignment]
 
 
-def _other_traffic(mgr: OffloadManager, step: int, others: int, blocks: int) -> None:
-    """``others`` short requests at this step: one offer each, finished at once."""
+def _other_traffic(mgr: OffloadManager, step: object, others: int, blocks: int,
+                   run: Run) -> None:
+    """``others`` short requests at this step: one offer each, finished at
+    once; their manager time into ``run.others_s``."""
+    clock = time.perf_counter
     for i in range(others):
         keys = [block_key(hash((step, i, j)) & (2**63 - 1), 1) for j in range(blocks)]
         ctx = RequestContext(f"other-{step}-{i}")
+        t0 = clock()
         ctx.set_positions(keys, BLOCK_TOKENS, BLOCK_TOKENS)
         out = mgr.prepare_store(keys, ctx)
         if out is not None:
             mgr.complete_store(out.keys_to_store, ctx)
         mgr.on_request_finished(ctx)
+        run.others_s += clock() - t0
+        run.others_n += 1
 
 
 def long_prompt(policy: str, blocks: int, chunk: int, capacity_factor: float,
-                others: int, other_blocks: int, instrument: bool, decode: int = 0) -> Run:
+                others: int, other_blocks: int, instrument: bool, decode: int = 0,
+                after: int = 0) -> Run:
     """Offer one prompt of ``blocks`` keys in chunks, as vLLM does, then ``decode``
     blocks one at a time; time the manager (decode offers apart)."""
     mgr = OffloadManager(max(1, int(capacity_factor * blocks)), policy=policy)
@@ -116,7 +128,7 @@ def long_prompt(policy: str, blocks: int, chunk: int, capacity_factor: float,
     run.total_s += clock() - t0
     granted: list[bytes] = []
     for step, start in enumerate(range(0, blocks, chunk)):
-        _other_traffic(mgr, step, others, other_blocks)
+        _other_traffic(mgr, step, others, other_blocks, run)
         offer = keys[start:start + chunk]
         t0 = clock()
         ctx.set_positions(offer, (start + 1) * BLOCK_TOKENS, BLOCK_TOKENS)
@@ -131,6 +143,8 @@ def long_prompt(policy: str, blocks: int, chunk: int, capacity_factor: float,
         mgr.complete_store(granted, ctx)
     mgr.on_request_finished(ctx)
     run.total_s += clock() - t0
+    for step in range(after):
+        _other_traffic(mgr, ("after", step), others, other_blocks, run)
     return run
 
 
@@ -141,7 +155,7 @@ def _decode(mgr: OffloadManager, ctx: RequestContext, run: Run, granted: list[by
     return the keys granted last."""
     clock = time.perf_counter
     for i in range(decode):
-        _other_traffic(mgr, -1 - i, others, other_blocks)
+        _other_traffic(mgr, -1 - i, others, other_blocks, run)
         offer = [block_key(blocks + i)]
         t0 = clock()
         ctx.set_positions(offer, (blocks + i + 1) * BLOCK_TOKENS, BLOCK_TOKENS)
@@ -176,25 +190,32 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--other-blocks", type=int, default=16)
     ap.add_argument("--decode", type=int, default=0,
                     help="blocks decoded after the prompt, one offer each")
+    ap.add_argument("--after", type=int, default=0,
+                    help="steps of --others traffic after the prompt finished")
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args(argv)
     if (args.chunk < 1 or args.repeats < 1 or args.others < 0 or args.other_blocks < 1
-            or args.decode < 0):
-        ap.error("--chunk, --repeats and --other-blocks must be >= 1, --others and "
-                 "--decode >= 0")
+            or args.decode < 0 or args.after < 0):
+        ap.error("--chunk, --repeats and --other-blocks must be >= 1, --others, "
+                 "--decode and --after >= 0")
     if args.capacity_factor <= 0:
         ap.error("--capacity-factor must be > 0")
     print(f"chunk {args.chunk} blocks, cache {args.capacity_factor:g} x prompt, "
           f"{args.others} other request(s) per step; best of {args.repeats}")
     decode_head = f" {'decode us/offer':>16s}" if args.decode else ""
+    others_head = f" {'others us/req':>14s}" if args.others else ""
     print(f"{'policy':8s} {'blocks':>7s} {'us/key':>7s} {'order %':>8s} {'keep %':>7s} "
-          f"{'ahead keys/key':>15s}{decode_head}")
+          f"{'ahead keys/key':>15s}{decode_head}{others_head}")
     for policy in args.policies.split(","):
         for blocks in args.blocks:
             run = functools.partial(long_prompt, policy, blocks, args.chunk,
                                     args.capacity_factor, args.others, args.other_blocks)
             repeats = range(args.repeats)
-            best = min((run(instrument=False) for _ in repeats), key=lambda r: r.total_s)
+            runs = [run(instrument=False, after=args.after) for _ in repeats]
+            best = min(runs, key=lambda r: r.total_s)
+            others = ""
+            if args.others:
+                others = f" {min(r.others_s / r.others_n for r in runs) * 1e6:14.1f}"
             shares = run(instrument=True)
             total = shares.total_s or 1.0
             decode = ""
@@ -204,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
                 decode = f" {decode_s / args.decode * 1e6:16.1f}"
             print(f"{policy:8s} {blocks:7d} {best.total_s / blocks * 1e6:7.2f} "
                   f"{100 * shares.order_s / total:7.1f}% {100 * shares.keep_s / total:6.1f}% "
-                  f"{shares.ahead_keys / blocks:15.2f}{decode}", flush=True)
+                  f"{shares.ahead_keys / blocks:15.2f}{decode}{others}", flush=True)
     return 0
 
 

@@ -191,7 +191,7 @@ def test_the_long_prompt_benchmark_runs(capsys: pytest.CaptureFixture[str]) -> N
         ("lru", "256"), ("lru", "512"), ("default", "256"), ("default", "512")]
     # keys handed to keep_ahead as new, per key: each once, whatever the length
     # (all of them, each time, before: (offers - 1) / 2 per key, 1.5 and 3.5 here)
-    assert [float(r[-1]) for r in rows] == [1.0, 1.0, 1.0, 1.0]
+    assert [float(r[-2]) for r in rows] == [1.0, 1.0, 1.0, 1.0]  # (then others us/req)
 
 
 def test_the_long_prompt_benchmark_times_decode_offers(capsys: pytest.CaptureFixture[str]) -> None:
@@ -204,6 +204,18 @@ def test_the_long_prompt_benchmark_times_decode_offers(capsys: pytest.CaptureFix
     assert row[:2] == ["lru", "256"] and float(row[-2]) == 1.0 and float(row[-1]) > 0
     with pytest.raises(SystemExit):
         bench.main(["--decode", "-1"])
+
+
+def test_the_long_prompt_benchmark_times_the_traffic_around_it(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    bench = load_benchmark()
+    assert bench.main(["--blocks", "256", "--chunk", "64", "--policies", "default",
+                       "--others", "2", "--after", "3", "--repeats", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].split()[-2:] == ["others", "us/req"]
+    assert float(lines[2].split()[-1]) > 0
+    with pytest.raises(SystemExit):
+        bench.main(["--after", "-1"])
 
 
 # -- the listing: kept up to date, exactly what the rebuild gave ---------------

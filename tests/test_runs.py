@@ -167,17 +167,25 @@ def test_the_comparison_fails_for_a_keep_ahead_that_skips_a_shared_head(
             drive(KeyOrder(), SkipsSharedHead(), seed)
 
 
-def test_a_run_is_one_entry_and_ends_with_its_last_member(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+KEYS = [b"a", b"b", b"c"]
+
+
+def order_with_a_run(monkeypatch: pytest.MonkeyPatch) -> KeyOrder:
+    """``KEYS`` kept ahead as the run of request "r", then ``x``."""
     monkeypatch.setattr(KeyOrder, "RUN_MIN", 0)
     order = KeyOrder()
-    keys = [b"a", b"b", b"c"]
-    order.add_many(keys)
+    order.add_many(KEYS)
+    order.keep_run_ahead("r", KEYS, 0, set())
     order.add_many([b"x"])
-    order.keep_run_ahead("r", keys, 0, set())
-    assert list(order) == [b"x", b"c", b"b", b"a"] and len(order) == 4
+    return order
+
+
+def test_a_run_is_one_entry_and_ends_with_its_last_member(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    order = order_with_a_run(monkeypatch)
+    assert list(order) == [b"c", b"b", b"a", b"x"] and len(order) == 4
     order.add_many([b"d"])
-    order.keep_run_ahead("r", [*keys, b"d"], 3, {b"d"})
+    order.keep_run_ahead("r", [*KEYS, b"d"], 3, {b"d"})
     assert list(order) == [b"x", b"d", b"c", b"b", b"a"]
     order.end_run("r")
     assert order._runs is not None  # finished: its members keep their rank
@@ -191,3 +199,15 @@ def test_a_short_request_moves_its_keys() -> None:
     order.add_many([b"a", b"b", b"x"])
     order.keep_run_ahead("r", [b"a", b"b"], 0, set())
     assert order._runs is None and list(order) == [b"x", b"b", b"a"]
+
+
+def test_a_finished_run_at_the_oldest_end_unfolds_into_its_members(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    order = order_with_a_run(monkeypatch)
+    order.add_many([b"y"])
+    order.end_run("r")
+    assert order.take_oldest(1) == [b"c"]  # the run's members first, tail first
+    assert order._runs is not None  # (the entry was among the newest keys' part)
+    assert order.take_oldest(1) == [b"b"]  # the oldest entry now: unfolded first
+    assert order._runs is None  # every scan at C speed again
+    assert list(order) == [b"a", b"x", b"y"] and len(order) == 3

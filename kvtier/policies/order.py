@@ -81,7 +81,8 @@ class KeyOrder:
 
     def __len__(self) -> int:
         n = len(self._old) + len(self._mid) + len(self._tail) + len(self._pending)
-        return n - len(self._runs.in_order) if self._runs is not None else n
+        runs = self._runs
+        return n if runs is None else n - len(runs.in_order) + len(runs.lifted)
 
     def __bool__(self) -> bool:
         if self._runs is not None:  # a run's entry is not a key
@@ -90,6 +91,8 @@ class KeyOrder:
 
     def __contains__(self, key: object) -> bool:
         if key in self._mid or key in self._tail or key in self._old:
+            return True
+        if self._runs is not None and key in self._runs.lifted:
             return True
         pending = self._pending
         if not pending:
@@ -102,8 +105,35 @@ class KeyOrder:
     def __iter__(self) -> Iterator[bytes]:
         """Oldest first; the order must not change while an iterator is in use."""
         if self._runs is not None:
+            self._unfold_oldest_run()
+        if self._runs is not None:
             return self._runs.scan(self._entries())
         return self._entries()
+
+    def _unfold_oldest_run(self) -> bool:
+        """If the oldest entry is a finished run's, put its members in its place
+        as entries of their own (the same order; O(members), once): scans from
+        the oldest end then go at C speed again. Whether it did."""
+        runs, order, old = self._runs, self._old_order, self._old
+        if runs is None or self._parked:
+            return False
+        dead = 0
+        while order and order[-1] not in old:
+            order.pop()
+            dead += 1
+        self._dead -= dead
+        run = order[-1] if order else None
+        if not isinstance(run, Run) or run.active:
+            return False
+        members = [k for k in run.members if runs.lifted.get(k) is run]  # head first
+        order.pop()
+        del old[run]
+        order.extend(members)  # newest first: the tail, the oldest member, at the end
+        old.update(dict.fromkeys(members))
+        runs.unfold(run)
+        if not runs.in_order:
+            self._runs = None
+        return True
 
     def _entries(self) -> Iterator[bytes]:
         """Every entry, oldest first: a run's entry (``Run``) among the keys."""
@@ -123,8 +153,8 @@ class KeyOrder:
         """The keys of ``keys`` in the order (a set, built at C speed)."""
         if self._pending:
             self._settle()
-        old, mid, tail = self._old, self._mid, self._tail
-        if not (mid or tail):
+        old, mid, tail, runs = self._old, self._mid, self._tail, self._runs
+        if not (mid or tail or runs):
             return old.keys() & keys
         keys = keys if isinstance(keys, (list, tuple, set, frozenset)) else list(keys)
         found = old.keys() & keys if old else set()
@@ -132,6 +162,8 @@ class KeyOrder:
             found |= mid.keys() & keys
         if tail:
             found |= tail.keys() & keys
+        if runs is not None and runs.lifted:
+            found |= runs.lifted.keys() & keys
         return found
 
     # -- changes -----------------------------------------------------------------
@@ -140,7 +172,8 @@ class KeyOrder:
         """Append ``key`` as the newest, unless present (then its place is kept)."""
         if self._pending:
             self._settle()
-        if key not in self._old and key not in self._mid:
+        if key not in self._old and key not in self._mid and not (
+                self._runs is not None and key in self._runs.lifted):
             self._tail[key] = None
             if self._runs is not None and self._runs.waiting:
                 self._runs.added([key])
@@ -156,7 +189,8 @@ class KeyOrder:
     def discard(self, key: bytes) -> bool:
         """Remove ``key`` if present; whether it was."""
         if self._runs is not None and key in self._runs.lifted:
-            self._runs.left([key], self._drop_run)
+            self._runs.left([key])  # a member has no entry of its own
+            return True
         return self._discard(key)
 
     def _discard(self, key: object) -> bool:
@@ -180,12 +214,12 @@ class KeyOrder:
     def discard_many(self, keys: Iterable[bytes]) -> list[bytes]:
         """Remove each of ``keys`` that is present; return those, in order."""
         keys = keys if isinstance(keys, list) else list(keys)
-        if self._runs is not None and self._runs.lifted:
-            self._runs.left([k for k in keys if k in self._runs.lifted], self._drop_run)
         if self._pending and not set(keys).isdisjoint(self._pending):
             self._settle()
         old, mid, tail = self._old, self._mid, self._tail
+        lifted = self._runs.lifted if self._runs is not None else {}
         out: list[bytes] = []
+        members: list[bytes] = []
         stale = 0
         for key in keys:
             if key in mid:
@@ -195,10 +229,14 @@ class KeyOrder:
             elif key in old:
                 del old[key]
                 stale += 1
+            elif key in lifted:
+                members.append(key)
             else:
                 continue
             out.append(key)
         self._dead += stale
+        if members and self._runs is not None:
+            self._runs.left(members)
         return out
 
     def move_to_end(self, key: bytes) -> None:
@@ -218,7 +256,7 @@ class KeyOrder:
         keys = keys if isinstance(keys, list) else list(keys)
         runs = self._runs
         if runs is not None:
-            runs.moved(keys, self._drop_run)
+            runs.moved(keys)
             if runs.waiting:
                 runs.added([k for k in keys if k not in self])
         self._to_end(keys, True)
@@ -227,7 +265,7 @@ class KeyOrder:
         """``to_end`` of the keys of ``keys`` that are present (others ignored)."""
         if self._runs is not None:
             keys = keys if isinstance(keys, list) else list(keys)
-            self._runs.moved(keys, self._drop_run)
+            self._runs.moved(keys)
         self._to_end(keys, False)
 
     # -- running requests ----------------------------------------------------------
@@ -249,26 +287,40 @@ class KeyOrder:
             ahead = list(itertools.filterfalse(new.__contains__, keys)) if new else list(keys)
             ahead.reverse()
             if runs is not None:
-                runs.moved(ahead, self._drop_run)
+                runs.moved(ahead)
             self._to_end(ahead, False, distinct=True)
             return
         if runs is None:
-            runs = self._runs = Runs()
-        runs.keep_ahead(run, keys, start, new, self.present, self._place_run, self._drop_run)
+            runs = self._runs = Runs(self)
+        runs.keep_ahead(run, keys, start, new)
 
     def end_run(self, run: object) -> None:
         """The request of token ``run`` finished: its keys keep their rank and
         are no longer kept ahead (a no-op for a token never kept ahead)."""
         if self._runs is not None:
-            self._runs.end(run, self._drop_run)
+            self._runs.end(run)
 
-    def _place_run(self, run: Run) -> None:
+    # (kvtier.policies.runs.RunHost: what the runs change in the order)
+
+    def place_run(self, run: Run) -> None:
+        """Add ``run``'s entry, or move it, to the newest end."""
         self._to_end([run], True)  # type: ignore[list-item]
 
-    def _drop_run(self, run: Run) -> None:
+    def drop_run(self, run: Run) -> None:
+        """Remove ``run``'s entry; with the last run, the runs' state."""
         self._discard(run)
         if self._runs is not None and not self._runs.in_order:
             self._runs = None  # no run left: every operation takes its plain path again
+
+    def unlink(self, keys: list[bytes]) -> None:
+        """Remove the entries of ``keys``, which become members of a run."""
+        self.discard_many(keys)
+
+    def relink(self, keys: list[bytes]) -> None:
+        """Give ``keys`` (members leaving their runs) entries, about to be moved."""
+        if self._pending:
+            self._settle()
+        self._tail.update(dict.fromkeys(keys))
 
     def _to_end(self, keys: Iterable[bytes], add: bool, distinct: bool = False) -> None:
         """``to_end`` (``add``) or ``move_present``; ``distinct``: no key twice."""
@@ -385,12 +437,14 @@ class KeyOrder:
             return []
         if self._pending:
             self._settle()
+        if self._runs is not None:
+            self._unfold_oldest_run()
         old, order, runs = self._old, self._old_order, self._runs
         if not self._parked and len(order) >= n:
             last = order[-n:]
             checks: tuple[Container[object], ...] = (old, *skip) if self._dead else skip
-            if runs is not None:  # a run's entry, or a member's stale one: the scan below
-                checks = (runs.in_order, runs.lifted.keys(), *checks)
+            if runs is not None:  # a run's entry among them: the scan below
+                checks = (runs.in_order, *checks)
             for container in checks:
                 if container is old:
                     if not all(map(old.__contains__, last)):
@@ -433,10 +487,12 @@ class KeyOrder:
         last = victims[-1] if n else None
         runs = self._runs
         if runs is not None:
-            # a scan passes a run's members at its entry, out of the list's order
-            runs.left(victims, self._drop_run)
-            last = None
-            skipped = (*skipped, runs.lifted)
+            members = [k for k in victims if k in runs.lifted]
+            if members:  # a scan met them at their run's entry: no entry of their own
+                runs.left(members)
+                gone = set(members)
+                victims = [k for k in victims if k not in gone]
+                n, last = len(victims), None
         if (n and last is not None and not self._parked and len(order) >= n
                 and order[-n] is last and last in old):
             # The common case: the victims are the last n slots of the list (a

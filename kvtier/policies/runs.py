@@ -9,9 +9,9 @@ while it decodes.
 
 Here the blocks a running request keeps ahead, its *members*, are one entry of
 the recency order, a :class:`Run`, standing where the request's latest
-keep-ahead put them; moving that entry moves them all. A member keeps its own
-entry in the order too, stale while it is a member: a scan from the oldest end
-skips it there and meets it at its run's entry instead. A member leaves its
+keep-ahead put them; moving that entry moves them all. A member has no entry
+of its own in the order (a scan from the oldest end meets it at its run's
+entry), and gets one back when it leaves its run by moving. A member leaves its
 run when it moves by itself (another request's access), when another running
 request's keep-ahead takes it (a shared prompt head: the latest keep-ahead
 places it), or when it leaves the order; while its request runs, such a key is
@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from collections.abc import Callable, Container, Iterator, Sequence
+from collections.abc import Container, Iterable, Iterator, Sequence
+from typing import Protocol
 
 
 class Run:
@@ -55,6 +56,25 @@ class Run:
         return f"Run(live={self.live}, active={self.active})"
 
 
+class RunHost(Protocol):
+    """What :class:`Runs` needs of the order it serves (a ``KeyOrder``)."""
+
+    def present(self, keys: Iterable[bytes]) -> set[bytes]:
+        """The keys of ``keys`` in the order, members of runs included."""
+
+    def place_run(self, run: Run) -> None:
+        """Add ``run``'s entry, or move it, to the newest end."""
+
+    def drop_run(self, run: Run) -> None:
+        """Remove ``run``'s entry (a finished run left without members)."""
+
+    def unlink(self, keys: list[bytes]) -> None:
+        """Remove the order's own entries of ``keys`` (they became members)."""
+
+    def relink(self, keys: list[bytes]) -> None:
+        """Give ``keys`` (members no more, about to move) entries of their own."""
+
+
 class Runs:
     """The runs of one :class:`~kvtier.policies.order.KeyOrder` and where their keys are.
 
@@ -66,17 +86,17 @@ class Runs:
     members). Bounded by the keys of the running requests plus the members of
     finished runs (at most the order's keys).
 
-    The order calls :meth:`left`, :meth:`moved` and :meth:`added` as keys
-    leave, move and arrive; it puts each run's entry in place through the
-    ``place`` and ``drop`` callables given to :meth:`keep_ahead` and the others.
+    The order (``host``) calls :meth:`left`, :meth:`moved` and :meth:`added`
+    as keys leave, move and arrive; runs change its entries through it.
     """
 
-    __slots__ = ("lifted", "waiting", "active", "in_order")
+    __slots__ = ("host", "lifted", "waiting", "active", "in_order")
 
     DEAD_SLACK = 64
     """Dead entries a run may hold beyond its live ones before it is compacted."""
 
-    def __init__(self) -> None:
+    def __init__(self, host: RunHost) -> None:
+        self.host = host
         self.lifted: dict[bytes, Run] = {}
         self.waiting: dict[bytes, list[Run]] = {}
         self.active: dict[object, Run] = {}
@@ -85,15 +105,11 @@ class Runs:
     # -- a running request's keep-ahead ---------------------------------------
 
     def keep_ahead(self, token: object, keys: Sequence[bytes], start: int,
-                   new: Container[bytes], present: Callable[[list[bytes]], set[bytes]],
-                   place: Callable[[Run], None], drop: Callable[[Run], None]) -> None:
+                   new: Container[bytes]) -> None:
         """Rank the present keys of ``keys`` (the request's access order, head
         first), but those in ``new``, newest, head newest: as a move to the
         end of all of them would. ``keys[:start]`` are the keys of the previous
         call for ``token``, unchanged; ``start`` 0 takes ``keys`` whole.
-        ``present(keys)``: those in the order; ``place(run)`` adds or moves the
-        run's entry to the newest end; ``drop(run)`` removes a finished run's
-        entry when it loses its last member.
         O(len(keys) - start + keys that left the run since the previous call)."""
         run = self.active.get(token)
         if run is None or start == 0:  # ``keys`` whole, whatever ``start`` says
@@ -102,7 +118,7 @@ class Runs:
             self.in_order.add(run)
             start = 0
             if old is not None:  # its keys' order changed: a run anew; the old
-                self._finish(old, drop)  # one's members keep their rank until taken
+                self._finish(old)  # one's members keep their rank until taken
         index = run.index
         delta = list(keys[start:])
         if index:
@@ -117,25 +133,26 @@ class Runs:
             run.out.update([k for k in delta if k in new])
             delta = [k for k in delta if k not in new]
         wanted = [*back, *delta] if back else delta
-        here = present(wanted)
+        here = self.host.present(wanted)
         if len(here) < len(wanted):
             waiting = self.waiting
             for key in wanted:
                 if key not in here:
                     waiting.setdefault(key, []).append(run)
             wanted = [k for k in wanted if k in here]
-        self._lift(run, wanted, not back, drop)
-        place(run)
+        self._lift(run, wanted, not back)
+        self.host.place_run(run)
 
-    def _lift(self, run: Run, keys: list[bytes], in_order: bool,
-              drop: Callable[[Run], None]) -> None:
+    def _lift(self, run: Run, keys: list[bytes], in_order: bool) -> None:
         """Make ``keys`` (present, with an index in ``run``; ``in_order``: by
         it) members of ``run``, taking them from their runs, and give each an
         entry in access order."""
         lifted, placed = self.lifted, run.placed
         if not lifted or lifted.keys().isdisjoint(keys):
             joining = keys  # the common case: members of no run yet
+            self.host.unlink(keys)
         else:
+            self.host.unlink([k for k in keys if k not in lifted])
             losers = {lifted[k] for k in keys if k in lifted}
             losers.discard(run)
             for key in keys if losers else ():
@@ -145,7 +162,7 @@ class Runs:
             joining = [k for k in keys if lifted.get(k) is not run]
             lifted.update(dict.fromkeys(joining, run))
             for other in losers:
-                self._tidy(other, drop)
+                self._tidy(other)
         if joining is keys:
             lifted.update(dict.fromkeys(joining, run))
         run.live += len(joining)
@@ -174,27 +191,30 @@ class Runs:
 
     # -- keys leaving, moving, arriving ---------------------------------------
 
-    def moved(self, keys: Sequence[bytes], drop: Callable[[Run], None]) -> None:
-        """``keys`` move by themselves (each is newest now): their runs lose them."""
+    def moved(self, keys: Sequence[bytes]) -> None:
+        """``keys`` are about to move by themselves (each to be newest): their
+        runs lose them, and they get entries of their own back to move."""
         lifted = self.lifted
         gone = [k for k in keys if k in lifted]
         if not gone:
             return
+        self.host.relink(gone)
         losers = list(map(lifted.pop, gone))
         run = losers[0]
         if losers.count(run) == len(losers):  # one run's keys (its request's access)
             run.live -= len(gone)
             if run.active:
                 run.out.update(gone)
-            self._tidy(run, drop)
+            self._tidy(run)
             return
         for key, run in zip(gone, losers, strict=True):
             self._lose(run, key)
         for run in set(losers):
-            self._tidy(run, drop)
+            self._tidy(run)
 
-    def left(self, keys: Sequence[bytes], drop: Callable[[Run], None]) -> None:
-        """``keys`` left the order: their runs lose them; running ones wait for them."""
+    def left(self, keys: Sequence[bytes]) -> None:
+        """``keys``, members, left the order: their runs lose them; running
+        ones wait for them."""
         lifted, waiting = self.lifted, self.waiting
         gone = [k for k in keys if k in lifted]
         if not gone:
@@ -205,7 +225,7 @@ class Runs:
             if run.active:
                 waiting.setdefault(key, []).append(run)
         for run in set(losers):
-            self._tidy(run, drop)
+            self._tidy(run)
 
     def added(self, keys: Sequence[bytes]) -> None:
         """``keys`` entered the order: running requests that had them take them
@@ -217,12 +237,12 @@ class Runs:
                 for run in runs:
                     run.out.add(key)
 
-    def _tidy(self, run: Run, drop: Callable[[Run], None]) -> None:
+    def _tidy(self, run: Run) -> None:
         """Drop dead entries from ``run``'s tail, compact it when they
         outnumber the live ones, end it when finished and empty."""
         if not run.active and run.live == 0:
             self.in_order.discard(run)
-            drop(run)
+            self.host.drop_run(run)
             return
         members, lifted, placed = run.members, self.lifted, run.placed
         while members and lifted.get(members[-1]) is not run:
@@ -231,23 +251,33 @@ class Runs:
             run.members = [k for k in members if lifted.get(k) is run]
             run.placed = set(run.members)
 
+    def unfold(self, run: Run) -> None:
+        """A finished ``run`` ends: the order gave each member an entry of its own
+        where the run's stood."""
+        lifted = self.lifted
+        for key in run.members:
+            if lifted.get(key) is run:
+                del lifted[key]
+        run.members, run.placed, run.live = [], set(), 0
+        self.in_order.discard(run)
+
     # -- the end of a request ---------------------------------------------------
 
-    def end(self, token: object, drop: Callable[[Run], None]) -> None:
+    def end(self, token: object) -> None:
         """The request of ``token`` finished: its run keeps its members where
         they rank and takes nothing back any more. O(keys of the request)."""
         run = self.active.pop(token, None)
         if run is not None:
-            self._finish(run, drop)
+            self._finish(run)
 
-    def _finish(self, run: Run, drop: Callable[[Run], None]) -> None:
+    def _finish(self, run: Run) -> None:
         run.active = False
         if self.waiting:
             self._unwait(run)
         run.index, run.out = {}, set()
         if run.live == 0:
             self.in_order.discard(run)
-            drop(run)
+            self.host.drop_run(run)
 
     def _unwait(self, run: Run) -> None:
         waiting = self.waiting
@@ -269,5 +299,5 @@ class Runs:
                 for key in reversed(entry.members):
                     if lifted.get(key) is entry:
                         yield key
-            elif entry not in lifted:
+            else:
                 yield entry  # type: ignore[misc]
