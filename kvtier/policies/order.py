@@ -46,8 +46,10 @@ class KeyOrder:
     dict holes up to the number of keys at the last rebuild.
 
     ``keep_run_ahead`` keeps a long running request's keys ahead of its new
-    ones as one entry, a run (``kvtier.policies.runs``): a scan that meets a
-    run's entry, or a member's stale one, goes key by key (``Runs.scan``).
+    ones as one entry, a run (``kvtier.policies.runs``), whose members have
+    no entries of their own: a scan that meets a run's entry takes them key
+    by key (``Runs.scan``), and a finished run whose entry is the oldest
+    unfolds into entries of their own (``_unfold_oldest_run``).
     """
 
     __slots__ = ("_old", "_old_order", "_parked", "_mid", "_tail", "_pending", "_dead",
@@ -474,10 +476,11 @@ class KeyOrder:
         back the list slots they leave.
 
         The keys in ``skipped`` are those that scan passed over without taking
-        them (blocked, protected). When the scan went past the old part it is
-        rebuilt; otherwise, once ``TRIM_EVERY`` keys left the old part, the
-        stale slots at the end of its list are cut off, setting aside the
-        skipped keys that hide them.
+        them (blocked, protected). Victims that were members of a run (met at
+        its entry) leave it; they had no entries of their own. When the scan
+        went past the old part it is rebuilt; otherwise, once ``TRIM_EVERY``
+        keys left the old part, the stale slots at the end of its list are cut
+        off, setting aside the skipped keys that hide them.
         """
         victims = victims if isinstance(victims, list) else list(victims)
         if self._pending:
