@@ -148,6 +148,7 @@ class Runs:
         it) members of ``run``, taking them from their runs, and give each an
         entry in access order."""
         lifted, placed = self.lifted, run.placed
+        losers: set[Run] = set()
         if not lifted or lifted.keys().isdisjoint(keys):
             joining = keys  # the common case: members of no run yet
             self.host.unlink(keys)
@@ -160,11 +161,9 @@ class Runs:
                 if other is not None and other is not run:
                     self._lose(other, key)
             joining = [k for k in keys if lifted.get(k) is not run]
-            lifted.update(dict.fromkeys(joining, run))
-            for other in losers:
-                self._tidy(other)
-        if joining is keys:
-            lifted.update(dict.fromkeys(joining, run))
+        lifted.update(dict.fromkeys(joining, run))
+        for other in losers:  # after the update: the keys they lost are dead there
+            self._tidy(other)
         run.live += len(joining)
         entries = joining if placed.isdisjoint(joining) else [
             k for k in joining if k not in placed]
