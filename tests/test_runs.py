@@ -211,3 +211,12 @@ def test_a_finished_run_at_the_oldest_end_unfolds_into_its_members(
     assert order.take_oldest(1) == [b"b"]  # the oldest entry now: unfolded first
     assert order._runs is None  # every scan at C speed again
     assert list(order) == [b"a", b"x", b"y"] and len(order) == 3
+
+
+@pytest.mark.parametrize("start", [-1, 4, 1.5, True])
+def test_a_start_outside_the_keys_is_refused(start: object) -> None:
+    order = KeyOrder()
+    order.add_many(KEYS)
+    with pytest.raises(ValueError, match=r"start must be an int in 0\.\.len\(keys\) \(3\)"):
+        order.keep_run_ahead("r", KEYS, start, set())  # type: ignore[arg-type]
+    assert list(order) == KEYS  # nothing changed

@@ -284,6 +284,9 @@ class KeyOrder:
         ``start`` keys are those of its previous call, unchanged (0: take it
         whole); ``new``: its keys stored just now, which rank below the others.
         """
+        if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start <= len(keys):
+            raise ValueError(f"start must be an int in 0..len(keys) ({len(keys)}), "
+                             f"got {start!r}")
         runs = self._runs
         if (runs is None or run not in runs.active) and len(keys) <= self.RUN_MIN:
             ahead = list(itertools.filterfalse(new.__contains__, keys)) if new else list(keys)
