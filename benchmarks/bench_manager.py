@@ -1,6 +1,9 @@
 """Manager cost per offered key: kvtier's OffloadManager against vLLM's CPUOffloadingManager.
 
-Both managers replay the bundled Mooncake trace the same way (per request:
+Each kvtier policy is paired with vLLM's policy of the same name, or, for a
+policy vLLM has not (``plfu``, ``default``), with vLLM's own default, LRU:
+the manager a deployment would run instead (the ``vs`` column). Both
+managers replay the bundled Mooncake trace the same way (per request:
 lookup of the leading hits, load, store offer of all blocks, completion,
 finish), interleaved in one process so machine noise hits both alike. Request
 contexts, with every block's end-token position recorded as vLLM's scheduler
@@ -8,7 +11,7 @@ does (``--no-positions`` leaves them out), are built before the clock starts,
 so the figure is manager seconds per offered key: median of ``--repeats``
 runs, and the ratio kvtier / vLLM.
 
-    python benchmarks/bench_manager.py [--repeats 3] [--json]
+    python benchmarks/bench_manager.py [--policy lru,arc,default] [--repeats 3] [--json]
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import time
 from pathlib import Path
 
 import kvtier
+from kvtier.policies import policy_class
 from kvtier.replay.trace import load_trace
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -89,6 +93,22 @@ def run_vllm(
     return (time.perf_counter() - start) / offered * 1e6, hits / offered
 
 
+VLLM_DEFAULT_POLICY = "lru"
+"""vLLM's ``CPUOffloadingManager`` cache policy when none is configured."""
+
+
+def vllm_counterpart(policy: str) -> str:
+    """vLLM's cache policy to pair with kvtier's ``policy``: the same name
+    when vLLM has it, else vLLM's default."""
+    from vllm.v1.kv_offload.cpu.policies.factory import CachePolicyFactory
+
+    try:
+        CachePolicyFactory.get_cache_policy_cls(policy)
+    except ValueError:
+        return VLLM_DEFAULT_POLICY
+    return policy
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trace", type=Path, default=TRACE)
@@ -99,22 +119,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--no-positions", dest="positions", action="store_false")
     args = parser.parse_args(argv)
+    policies = args.policy.split(",")
+    for policy in policies:
+        try:
+            policy_class(policy)
+        except (TypeError, ValueError) as exc:
+            parser.error(f"--policy: {exc}")
+    pairs = {policy: vllm_counterpart(policy) for policy in policies}
     requests = load_trace(args.trace)
     traces = [[kvtier.block_key(h) for h in req.hash_ids] for req in requests]
     if not args.json:
-        print(f"{'policy':6} {'blocks':>7} {'thr':>3} {'kvtier us/key':>14} "
+        print(f"{'policy':7} {'vs':4} {'blocks':>7} {'thr':>3} {'kvtier us/key':>14} "
               f"{'vLLM us/key':>12} {'ratio':>6}  hit kvtier/vLLM")
-    for policy in args.policy.split(","):
+    for policy, theirs_policy in pairs.items():
         for capacity in (int(c) for c in args.capacity.split(",")):
             for threshold in (int(t) for t in args.store_threshold.split(",")):
                 ours, theirs = [], []
                 for _ in range(args.repeats):  # interleaved: noise hits both
                     ours.append(run_kvtier(traces, capacity, policy, threshold, args.positions))
-                    theirs.append(run_vllm(traces, capacity, policy, threshold, args.positions))
+                    theirs.append(run_vllm(traces, capacity, theirs_policy, threshold,
+                                           args.positions))
                 k_us = statistics.median(r[0] for r in ours)
                 v_us = statistics.median(r[0] for r in theirs)
                 row = {
-                    "policy": policy, "capacity": capacity, "store_threshold": threshold,
+                    "policy": policy, "vllm_policy": theirs_policy,
+                    "capacity": capacity, "store_threshold": threshold,
                     "kvtier_us_per_key": round(k_us, 3), "vllm_us_per_key": round(v_us, 3),
                     "ratio": round(k_us / v_us, 3),
                     "kvtier_hit_ratio": round(ours[0][1], 4),
@@ -123,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
                 if args.json:
                     print(json.dumps(row))
                 else:
-                    print(f"{policy:6} {capacity:>7} {threshold:>3} {k_us:>14.3f} {v_us:>12.3f} "
+                    print(f"{policy:7} {theirs_policy:4} {capacity:>7} {threshold:>3} "
+                          f"{k_us:>14.3f} {v_us:>12.3f} "
                           f"{k_us / v_us:>6.2f}  {ours[0][1]:.4f}/{theirs[0][1]:.4f}")
                 sys.stdout.flush()
     return 0

@@ -1,7 +1,7 @@
 """The policy benchmarks run and say what they claim (benchmarks/admission_oracles.py,
 bench_policy_cost.py, bench_adaptive_parts.py, count_policy_instructions.py,
 policy_variants.py, reference_policies.py, group_gaps.py,
-generated_workloads.py, vllm_manager_behind_engine.py)."""
+generated_workloads.py, vllm_manager_behind_engine.py, bench_manager.py)."""
 
 from __future__ import annotations
 
@@ -381,3 +381,28 @@ def test_vllms_lru_manager_matches_kvtiers_one_request_at_a_time(
     row = capsys.readouterr().out.splitlines()[1].split()
     assert row[:2] == ["lru", "300"] and float(row[2]) > 0.05
     assert row[2] == row[3] and row[4] == "1.000"
+
+
+def test_manager_cost_pairs_each_policy_with_vllms_own(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # a policy vLLM has is paired with vLLM's of that name; the default, which
+    # vLLM has not, with vLLM's default (LRU), the manager one would run instead
+    bench = _load("bench_manager")
+    assert bench.vllm_counterpart("arc") == "arc"
+    assert bench.vllm_counterpart("default") == bench.vllm_counterpart("plfu") == "lru"
+    trace = _loop_with_one_offs(tmp_path / "t.jsonl")
+    assert bench.main(["--trace", str(trace), "--policy", "lru,default", "--capacity", "16",
+                       "--store-threshold", "1", "--repeats", "1", "--json"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(r["policy"], r["vllm_policy"]) for r in rows] == [("lru", "lru"), ("default", "lru")]
+    lru = rows[0]
+    assert lru["kvtier_hit_ratio"] == lru["vllm_hit_ratio"] > 0.3  # the same LRU, block for block
+    assert all(r["kvtier_us_per_key"] > 0 and r["vllm_us_per_key"] > 0 for r in rows)
+
+
+def test_manager_cost_names_an_unknown_policy(capsys: pytest.CaptureFixture[str]) -> None:
+    bench = _load("bench_manager")
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--policy", "lru,lfu"])
+    assert exc.value.code == 2
+    assert "--policy: unknown eviction policy 'lfu'" in capsys.readouterr().err
