@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import kvtier
+from kvtier.argtypes import int_list, name_list, positive_int
 from kvtier.policies import policy_class
 from kvtier.replay.trace import load_trace
 
@@ -112,14 +113,14 @@ def vllm_counterpart(policy: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trace", type=Path, default=TRACE)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--capacity", default="1000,4000,16000")
-    parser.add_argument("--policy", default="lru,arc")
-    parser.add_argument("--store-threshold", default="1,2")
+    parser.add_argument("--repeats", type=positive_int, default=3)
+    parser.add_argument("--capacity", type=int_list, default="1000,4000,16000")
+    parser.add_argument("--policy", type=name_list, default="lru,arc")
+    parser.add_argument("--store-threshold", type=int_list, default="1,2")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--no-positions", dest="positions", action="store_false")
     args = parser.parse_args(argv)
-    policies = args.policy.split(",")
+    policies: list[str] = args.policy
     for policy in policies:
         try:
             policy_class(policy)
@@ -132,8 +133,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'policy':7} {'vs':4} {'blocks':>7} {'thr':>3} {'kvtier us/key':>14} "
               f"{'vLLM us/key':>12} {'ratio':>6}  hit kvtier/vLLM")
     for policy, theirs_policy in pairs.items():
-        for capacity in (int(c) for c in args.capacity.split(",")):
-            for threshold in (int(t) for t in args.store_threshold.split(",")):
+        for capacity in args.capacity:
+            for threshold in args.store_threshold:
                 ours, theirs = [], []
                 for _ in range(args.repeats):  # interleaved: noise hits both
                     ours.append(run_kvtier(traces, capacity, policy, threshold, args.positions))

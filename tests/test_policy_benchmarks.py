@@ -400,9 +400,16 @@ def test_manager_cost_pairs_each_policy_with_vllms_own(
     assert all(r["kvtier_us_per_key"] > 0 and r["vllm_us_per_key"] > 0 for r in rows)
 
 
-def test_manager_cost_names_an_unknown_policy(capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(("args", "message"), [
+    (["--policy", "lru,lfu"], "--policy: unknown eviction policy 'lfu'"),
+    (["--repeats", "0"], "--repeats: must be >= 1, got 0"),
+    (["--capacity", "1000,x"], "--capacity: not an integer: 'x'"),
+    (["--store-threshold", "0"], "--store-threshold: must be >= 1, got 0"),
+])
+def test_manager_cost_names_bad_arguments(args: list[str], message: str,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
     bench = _load("bench_manager")
     with pytest.raises(SystemExit) as exc:
-        bench.main(["--policy", "lru,lfu"])
+        bench.main(args)
     assert exc.value.code == 2
-    assert "--policy: unknown eviction policy 'lfu'" in capsys.readouterr().err
+    assert message in capsys.readouterr().err
