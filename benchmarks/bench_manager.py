@@ -127,7 +127,10 @@ def main(argv: list[str] | None = None) -> int:
         except (TypeError, ValueError) as exc:
             parser.error(f"--policy: {exc}")
     pairs = {policy: vllm_counterpart(policy) for policy in policies}
-    requests = load_trace(args.trace)
+    try:
+        requests = load_trace(args.trace)
+    except (OSError, ValueError) as exc:
+        parser.error(f"--trace: {exc}")
     traces = [[kvtier.block_key(h) for h in req.hash_ids] for req in requests]
     if not args.json:
         print(f"{'policy':7} {'vs':4} {'blocks':>7} {'thr':>3} {'kvtier us/key':>14} "

@@ -405,6 +405,7 @@ def test_manager_cost_pairs_each_policy_with_vllms_own(
     (["--repeats", "0"], "--repeats: must be >= 1, got 0"),
     (["--capacity", "1000,x"], "--capacity: not an integer: 'x'"),
     (["--store-threshold", "0"], "--store-threshold: must be >= 1, got 0"),
+    (["--trace", "/nowhere/t.jsonl"], "--trace: trace file not found: /nowhere/t.jsonl"),
 ])
 def test_manager_cost_names_bad_arguments(args: list[str], message: str,
                                           capsys: pytest.CaptureFixture[str]) -> None:
