@@ -98,6 +98,23 @@ def test_the_table_does_not_claim_more_repeats_than_a_row_has(tmp_path: Path) ->
     assert "1-2 runs" in header and "lru 1000: 1" in header, header
 
 
+def test_the_table_counts_the_runs_whose_policy_switched(tmp_path: Path) -> None:
+    """Whether the adaptive policy's shadows switched moves its hit ratio
+    between runs (README, "Policy targets"): the table says in how many of a
+    row's repeats they did, and nothing for vLLM's manager, which has none."""
+    results = [run_result("vllm-lru", 0), run_result("vllm-lru", 1),
+               run_result("default", 0, policy_switches=2.0),
+               run_result("default", 1, policy_switches=0.0)]
+    rows = serving.summarize(results, _settings(tmp_path, "vllm-lru", "default"))
+    assert [(r.config, r.switched) for r in rows] == [("vllm-lru", 0), ("default", 1)]
+    lines = list(serving.table(rows))
+    header = next(line for line in lines if line.startswith("config"))
+    assert header.split()[-1] == "switched"
+    cells = {line.split()[0]: line.split()[-1] for line in lines
+             if line.startswith(("vllm-lru", "default"))}
+    assert cells == {"vllm-lru": "-", "default": "1/2"}
+
+
 def test_summarize_keeps_the_runs_of_configurations_not_named_again(
         tmp_path: Path, capsys: pytest.CaptureFixture[str],
         monkeypatch: pytest.MonkeyPatch) -> None:

@@ -670,6 +670,10 @@ class Row:
     cached_by_source: dict[str, float]
     dropped_writes: float
     """Median over repeats of ``RunResult.dropped_writes``."""
+    switched: int
+    """Repeats whose policy changed configuration (``RunResult.policy_switches``
+    above 0): whether the adaptive policy's shadows switched, which moves its
+    hit ratio between runs."""
     throughput_vs_none: float | None
     ttft_mean_vs_none: float | None
     throughput_vs_peer: float | None
@@ -718,6 +722,7 @@ def summarize(results: Sequence[RunResult], s: BenchSettings) -> list[Row]:
                 ttft_mean_ms=m["ttft_mean_ms"], ttft_p50_ms=m["ttft_p50_ms"],
                 ttft_p99_ms=m["ttft_p99_ms"], hit_ratio=m["hit_ratio"],
                 cached_by_source=m["cached_by_source"], dropped_writes=m["dropped_writes"],
+                switched=int(m["switched"]),
                 throughput_vs_none=_vs(m, base, "throughput"),
                 ttft_mean_vs_none=_vs(m, base, "ttft_mean_ms"),
                 throughput_vs_peer=_vs(m, peer, "throughput"),
@@ -744,6 +749,7 @@ def _medians(runs: Sequence[RunResult]) -> dict[str, Any]:
                 else math.nan for name in ("ttft_mean_ms", "ttft_p50_ms", "ttft_p99_ms")})
     out.update(repeats=len(runs), completed=sum(r.completed for r in runs),
                failed=sum(r.failed for r in runs),
+               switched=sum(1 for r in runs if r.policy_switches > 0),
                cached_by_source={k: _median([r.cached_by_source.get(k, 0.0) for r in runs])
                                  for k in sources})
     return out
@@ -766,7 +772,7 @@ def hit_title(configs: Sequence[str]) -> str:
 
 TABLE = ("config", "cpu", "done", "fail", "req/s", "TTFT mean", "p50", "p99", "hit",
          "thr/none", "thr/vllm", "TTFT/vllm", "p99/vllm", "hit/vllm", "host tok", "disk tok",
-         "dropped")
+         "dropped", "switched")
 
 
 def table(rows: Sequence[Row]) -> Iterator[str]:
@@ -782,7 +788,7 @@ def table(rows: Sequence[Row]) -> Iterator[str]:
             group = [g for g in rows if (g.traffic, g.regime) == last]
             yield f"{r.traffic} trace, {r.regime} ({_repeats(group)})"
             yield ("{:<13} {:>5} {:>5} {:>4} {:>6} {:>10} {:>8} {:>8} {:>7} {:>8} {:>8} "
-                   "{:>9} {:>8} {:>8} {:>9} {:>9} {:>7}").format(*TABLE)
+                   "{:>9} {:>8} {:>8} {:>9} {:>9} {:>7} {:>8}").format(*TABLE)
         src = r.cached_by_source
         yield (f"{r.config:<13} {r.cpu_blocks:>5} {r.completed:>5} {r.failed:>4} "
                f"{r.throughput:>6.2f} {r.ttft_mean_ms:>8.0f}ms {r.ttft_p50_ms:>6.0f}ms "
@@ -790,13 +796,19 @@ def table(rows: Sequence[Row]) -> Iterator[str]:
                f"{ratio(r.throughput_vs_peer):>8} {ratio(r.ttft_mean_vs_peer):>9} "
                f"{ratio(r.ttft_p99_vs_peer):>8} {ratio(r.hit_vs_peer):>8} "
                f"{src.get('host', 0):>9.0f} {src.get('disk', 0):>9.0f} "
-               f"{r.dropped_writes:>7.0f}")
+               f"{r.dropped_writes:>7.0f} {_switched(r):>8}")
     if rows:
         yield ""
         yield HIT_NOTE
 
 
-SUMMED = "done and fail: totals of the runs"
+def _switched(row: Row) -> str:
+    """``switched`` of ``row`` out of its repeats; ``-`` for vLLM's manager and
+    no offloading, which have no kvtier policy."""
+    return "-" if row.config in (BASELINE, PEER) else f"{row.switched}/{row.repeats}"
+
+
+SUMMED = "done, fail and switched: totals of the runs"
 """What a block's heading says of the columns that are not medians."""
 
 
