@@ -44,12 +44,12 @@ def test_the_serving_table_says_done_and_fail_are_totals_not_medians(tmp_path: P
     lines = list(serving.table(rows))
     heading = next(line for line in lines if line.startswith("bundled trace"))
     assert "medians of 3 runs" in heading
-    assert "done and fail: totals" in heading, heading
+    assert "done, fail and switched: totals" in heading, heading
     # an interrupted benchmark's heading says it too
     interrupted = [rows[0], dataclasses.replace(lru, repeats=2)]
     heading = next(line for line in serving.table(interrupted)
                    if line.startswith("bundled trace"))
-    assert "2-3 runs" in heading and "done and fail: totals" in heading, heading
+    assert "2-3 runs" in heading and "done, fail and switched: totals" in heading, heading
 
 
 # ------------------------------------------------------------ the faults table
