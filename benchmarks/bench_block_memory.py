@@ -37,6 +37,8 @@ import time
 import tracemalloc
 from collections.abc import Iterator
 
+from bench_manager import kvtier_request
+
 import kvtier
 
 TARGET = 200
@@ -67,14 +69,7 @@ def serve(mgr: kvtier.OffloadManager, keys: list[bytes], serial: int) -> None:
     """One request as vLLM makes it: positions, lookup, store, complete, finish."""
     ctx = kvtier.RequestContext(f"req-{serial}")
     ctx.set_positions(keys, BLOCK_TOKENS, BLOCK_TOKENS)
-    hits = mgr.lookup(keys, ctx)
-    if hits:
-        mgr.prepare_load(keys[:hits], ctx)
-        mgr.complete_load(keys[:hits], ctx)
-    out = mgr.prepare_store(keys, ctx)
-    if out is not None and out.keys_to_store:
-        mgr.complete_store(out.keys_to_store, ctx)
-    mgr.on_request_finished(ctx)
+    kvtier_request(mgr, ctx, keys)
 
 
 def measure(policy: str, blocks: int, per_request: int, churn: int,

@@ -22,6 +22,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import kvtier
 from kvtier.argtypes import int_list, name_list, positive_int
@@ -33,63 +34,92 @@ TRACE = ROOT / "data" / "mooncake" / "conversation_trace.jsonl"
 BLOCK_TOKENS = 512
 
 
-def run_kvtier(
+def kvtier_setup(
     traces: list[list[bytes]], capacity: int, policy: str, threshold: int, positions: bool
-) -> tuple[float, float]:
-    """Replay through kvtier; return (microseconds per offered key, hit ratio)."""
+) -> tuple[kvtier.OffloadManager, list[kvtier.RequestContext]]:
+    """A kvtier manager and one request context per trace line (positions recorded)."""
     mgr = kvtier.OffloadManager(capacity, policy=policy, store_threshold=threshold)
     contexts = [kvtier.RequestContext(str(i)) for i in range(len(traces))]
     if positions:
         for ctx, keys in zip(contexts, traces, strict=True):
             ctx.set_positions(keys, BLOCK_TOKENS, BLOCK_TOKENS)
+    return mgr, contexts
+
+
+def load_store_finish(mgr: Any, ctx: Any, keys: list[Any], hits: int) -> int:
+    """The rest of a request once its ``hits`` leading hits are known, the
+    same calls on either manager: load them, offer every block, finish."""
+    if hits:
+        mgr.prepare_load(keys[:hits], ctx)
+        mgr.complete_load(keys[:hits], ctx)
+    out = mgr.prepare_store(keys, ctx)
+    if out is not None and out.keys_to_store:
+        mgr.complete_store(out.keys_to_store, ctx)
+    mgr.on_request_finished(ctx)
+    return hits
+
+
+def kvtier_request(mgr: kvtier.OffloadManager, ctx: kvtier.RequestContext,
+                   keys: list[bytes]) -> int:
+    """One request through kvtier's manager; the leading hits."""
+    return load_store_finish(mgr, ctx, keys, mgr.lookup(keys, ctx))
+
+
+def run_kvtier(
+    traces: list[list[bytes]], capacity: int, policy: str, threshold: int, positions: bool
+) -> tuple[float, float]:
+    """Replay through kvtier; return (microseconds per offered key, hit ratio)."""
+    mgr, contexts = kvtier_setup(traces, capacity, policy, threshold, positions)
     hits = offered = 0
     start = time.perf_counter()
     for ctx, keys in zip(contexts, traces, strict=True):
-        n = mgr.lookup(keys, ctx)
-        if n:
-            mgr.prepare_load(keys[:n], ctx)
-            mgr.complete_load(keys[:n], ctx)
-        out = mgr.prepare_store(keys, ctx)
-        if out is not None and out.keys_to_store:
-            mgr.complete_store(out.keys_to_store, ctx)
-        mgr.on_request_finished(ctx)
-        hits += n
+        hits += kvtier_request(mgr, ctx, keys)
         offered += len(keys)
     return (time.perf_counter() - start) / offered * 1e6, hits / offered
 
 
-def run_vllm(
+def vllm_setup(
     traces: list[list[bytes]], capacity: int, policy: str, threshold: int, positions: bool
-) -> tuple[float, float]:
-    """Replay through vLLM's manager (per-key lookup, its API); same return."""
-    from vllm.v1.kv_offload.base import LookupResult, OffloadKey, ReqContext
+) -> tuple[Any, list[Any], list[list[Any]]]:
+    """vLLM's ``CPUOffloadingManager``, one ``ReqContext`` per trace line and
+    the keys as vLLM's key type (positions recorded as its scheduler does)."""
+    from vllm.v1.kv_offload.base import OffloadKey, ReqContext
     from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
-    vtraces = [[OffloadKey(k) for k in keys] for keys in traces]  # vLLM's key type
+    vtraces = [[OffloadKey(k) for k in keys] for keys in traces]
     mgr = CPUOffloadingManager(capacity, cache_policy=policy, store_threshold=threshold)
     contexts = [ReqContext(str(i)) for i in range(len(traces))]
     if positions:
         for ctx, keys in zip(contexts, vtraces, strict=True):
             for j, key in enumerate(keys):
                 ctx.set_offload_key_position(key, (j + 1) * BLOCK_TOKENS)
+    return mgr, contexts, vtraces
+
+
+def vllm_request(mgr: Any, ctx: Any, keys: list[Any], hit: Any) -> int:
+    """One request through vLLM's manager (per-key lookup, its API); the
+    leading hits. ``hit``: ``LookupResult.HIT``, looked up once by the caller."""
+    mgr.on_new_request(ctx)
+    n = 0
+    for key in keys:
+        if mgr.lookup(key, ctx) is not hit:
+            break
+        n += 1
+    return load_store_finish(mgr, ctx, keys, n)
+
+
+def run_vllm(
+    traces: list[list[bytes]], capacity: int, policy: str, threshold: int, positions: bool
+) -> tuple[float, float]:
+    """Replay through vLLM's manager; same return as :func:`run_kvtier`."""
+    from vllm.v1.kv_offload.base import LookupResult
+
+    mgr, contexts, vtraces = vllm_setup(traces, capacity, policy, threshold, positions)
     hit = LookupResult.HIT
     hits = offered = 0
     start = time.perf_counter()
     for ctx, keys in zip(contexts, vtraces, strict=True):
-        mgr.on_new_request(ctx)
-        n = 0
-        for key in keys:
-            if mgr.lookup(key, ctx) is not hit:
-                break
-            n += 1
-        if n:
-            mgr.prepare_load(keys[:n], ctx)
-            mgr.complete_load(keys[:n], ctx)
-        out = mgr.prepare_store(keys, ctx)
-        if out is not None and out.keys_to_store:
-            mgr.complete_store(out.keys_to_store, ctx)
-        mgr.on_request_finished(ctx)
-        hits += n
+        hits += vllm_request(mgr, ctx, keys, hit)
         offered += len(keys)
     return (time.perf_counter() - start) / offered * 1e6, hits / offered
 

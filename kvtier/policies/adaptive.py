@@ -28,7 +28,8 @@ class _Shadow:
                  "score", "spread", "last")
 
     def __init__(self, capacity: int, history_factor: int, admission: bool) -> None:
-        self.policy = PLFUPolicy(capacity, history_factor=history_factor)
+        # aged at once: access() reads the history's counts directly
+        self.policy = PLFUPolicy(capacity, history_factor=history_factor, age_in_steps=False)
         self.resident: set[bytes] = set()  # the policy's keys (it evicts only when told)
         self.capacity = capacity
         self.history_factor = history_factor
@@ -234,7 +235,7 @@ class AdaptivePolicy(PLFUPolicy):
 
     def size_bounds(self, batch: int) -> dict[str, int]:
         bounds = super().size_bounds(batch)
-        bounds["history"] = max(self.FACTORS) * self.capacity + batch
+        bounds["history"] = bounds["history_aging"] = max(self.FACTORS) * self.capacity + batch
         total = {"shadow_resident": 0, "shadow_history": 0, "shadow_ghosts": 0}
         for s in self.shadows:
             inner = s.policy.size_bounds(batch)
@@ -272,6 +273,8 @@ class AdaptivePolicy(PLFUPolicy):
         room = self.capacity - len(self)
         if len(keys) <= room:
             return len(keys)
+        if self._aging:
+            self._age_keys(keys)
         counts = self._counts
         for i, key in enumerate(keys):
             if key not in counts:
@@ -285,7 +288,9 @@ class AdaptivePolicy(PLFUPolicy):
                          asked_from: int) -> None:
         # only blocks stored and not used yet (_fresh) can move: skip the
         # search when there are none (admission declined every new block)
-        first_new = self.first_unseen(keys) if self._fresh else len(keys)
+        if self._aging:
+            self._age_keys(keys)
+        first_new = self._first_unseen(keys) if self._fresh else len(keys)
         turn = self.turns.continues(keys, first_new, asked_from)
         self.turns.ended(keys)
         self._apply_access(keys, first_new)

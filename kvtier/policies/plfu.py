@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Container, Iterator, Sequence
+from collections.abc import Container, Iterable, Iterator, Sequence
+from itertools import islice
 
 from kvtier.policies.base import EvictionPolicy
 from kvtier.policies.order import KeyOrder, take
@@ -22,6 +23,30 @@ _CLASS_OF = tuple(max(0, n.bit_length() - 1) for n in range(_COUNT_CAP + 1))
 _ABSENT = object()
 
 
+def _settle_aged(pairs: list[tuple[bytes, int]], counts: dict[bytes, int],
+                 main: dict[bytes, int]) -> tuple[int, int]:
+    """Write into ``counts`` what one halving leaves of each (key, count before
+    it) pair whose key ``counts`` has not got: half the count, or 1 for a key
+    of ``main`` (a main key keeps a count), or nothing. Return how many pairs
+    had a count above 1, and how many written counts are above 1.
+
+    A key that ``counts`` has got was read or written since the aging started,
+    so its entry there is already what the aging left (``PLFUPolicy._age``).
+    """
+    above = [(key, c >> 1) for key, c in pairs if c > 1]
+    multi = 0
+    for key, c in above:
+        if key not in counts:
+            counts[key] = c
+            if c > 1:
+                multi += 1
+    # most pairs have a count of 1 and are dropped: find the main keys among them at C speed
+    for key in main.keys() & [key for key, c in pairs if c == 1]:
+        if key not in counts:
+            counts[key] = 1
+    return len(above), multi
+
+
 class PLFUPolicy(EvictionPolicy):
     """A recency window for new blocks, frequency for proven ones; both balances learned.
 
@@ -29,7 +54,10 @@ class PLFUPolicy(EvictionPolicy):
 
     * ``history``: key -> number of requests that used it, for resident and
       recently seen keys, at most ``history_factor * capacity`` entries; when
-      it grows past that, every count is halved and zeros are dropped (aging);
+      it grows past that, every count is halved and zeros are dropped (aging:
+      at once for a history of up to ``AGE_AT_ONCE`` entries, over several
+      calls for a larger one, see :meth:`_age`; the counts every call reads are the
+      same either way);
     * the *window* ``R``: resident keys that one request only has used (new
       blocks, one-off prompts), least recent first;
     * the *main* segment ``F``: resident keys that two or more requests used,
@@ -97,15 +125,26 @@ class PLFUPolicy(EvictionPolicy):
     drift")."""
     START_WINDOW = MIN_WINDOW
     """Share of the cache ``target`` starts at (and returns to at ``clear``)."""
+    AGE_AT_ONCE = 65536
+    """A history of up to this many entries is aged in one call (about 70 ns
+    an entry, 5 ms here: about what growing the history's dict to that size
+    takes in one call anyway)..."""
+    AGE_STEP = 4096
+    """...a larger one over several calls, this many entries a call (more for
+    a request of many keys), while every call reads the counts that aging at
+    once would have left. Aged at once, a 131,072-block cache's history held
+    the scheduler for 100 ms (docs/policy.md, "Aging in steps")."""
     MIN_SHARE = 0.02
     """``lfu_share`` stays in [MIN_SHARE, 1 - MIN_SHARE], so both orders keep learning."""
 
-    def __init__(self, capacity: int, history_factor: int = 8) -> None:
+    def __init__(self, capacity: int, history_factor: int = 8,
+                 age_in_steps: bool = True) -> None:
         super().__init__(capacity)
         if (isinstance(history_factor, bool) or not isinstance(history_factor, int)
                 or history_factor < 2):
             raise ValueError(f"history_factor must be an int >= 2, got {history_factor!r}")
         self.history_limit = history_factor * capacity
+        self.age_in_steps = age_in_steps
         self._generation = max(1, 3 * capacity // 4)
         self._min_target = capacity * self.MIN_WINDOW
         self._max_target = capacity * self.MAX_WINDOW
@@ -118,6 +157,14 @@ class PLFUPolicy(EvictionPolicy):
         # has used since they were stored (their count, if any, is in _counts).
         self._counts: dict[bytes, int] = {}
         self._fresh: set[bytes] = set()
+        self._multi = 0  # at least the number of _counts entries above 1
+        # An aging in steps: the counts before it, not yet halved into _counts
+        # (emptied by popitem, a few thousand a call), and at least how many of
+        # them are above 1 (kvtier/policies/plfu.py, _age).
+        self._aging: dict[bytes, int] = {}
+        self._aging_items: Iterator[tuple[bytes, int]] = iter(())
+        self._aging_left = 0
+        self._aging_multi = 0
         self._window = KeyOrder()
         # F, least recent first -> base when last used << 3 | c (see _classes)
         self._recent: OrderedDict[bytes, int] = OrderedDict()
@@ -143,6 +190,7 @@ class PLFUPolicy(EvictionPolicy):
     def history(self) -> dict[bytes, int]:
         """Key -> number of requests that used it (a copy, built on each call)."""
         history = dict(self._counts)
+        _settle_aged(list(self._aging.items()), history, self._recent)
         fresh = self._fresh
         for key in self._window:
             if key not in fresh:
@@ -150,8 +198,15 @@ class PLFUPolicy(EvictionPolicy):
         return history
 
     def _history_size(self) -> int:
-        """``len(self.history)``, without building it."""
-        return len(self._counts) + len(self._window) - len(self._fresh)
+        """``len(self.history)``, without building it; while an aging is in
+        progress, at least that (:meth:`_aging_bound`)."""
+        size = len(self._counts) + len(self._window) - len(self._fresh)
+        return size + self._aging_bound() if self._aging else size
+
+    def _aging_bound(self) -> int:
+        """At most how many entries the rest of the aging in progress adds to
+        the history: its counts above 1, and the main keys it keeps at 1."""
+        return self._aging_multi + len(self._recent)
 
     def sizes(self) -> dict[str, int]:
         """Entries of each structure (for tests and diagnostics)."""
@@ -159,6 +214,7 @@ class PLFUPolicy(EvictionPolicy):
             "window": len(self._window),
             "main": len(self._recent),
             "history": self._history_size(),
+            "history_aging": self._aging_left,
             "ghost_window": len(self._g1) + len(self._g1_old),
             "ghost_main": len(self._g2) + len(self._g2_old),
         }
@@ -169,6 +225,7 @@ class PLFUPolicy(EvictionPolicy):
         ghosts = 2 * self._generation + batch  # two generations, each one batch over
         return {"window": self.capacity, "main": self.capacity,
                 "history": self.history_limit + batch,
+                "history_aging": self.history_limit + batch,
                 "ghost_window": ghosts, "ghost_main": ghosts}
 
     def segment(self, key: bytes) -> str | None:
@@ -225,6 +282,8 @@ class PLFUPolicy(EvictionPolicy):
         if self._window.discard(key):
             self._left_window([key])
         elif key in self._recent:
+            if self._aging:  # a main key's count of 1 is kept only while it is main
+                self._age_keys((key,))
             self._drop_main(key)
 
     def _left_window(self, keys: list[bytes]) -> None:
@@ -259,6 +318,12 @@ class PLFUPolicy(EvictionPolicy):
         admission declines it). Should the known keys not be a prefix, it
         returns one index where a known key is followed by an unseen one.
         """
+        if self._aging:
+            self._age_keys(keys)
+        return self._first_unseen(keys)
+
+    def _first_unseen(self, keys: Sequence[bytes]) -> int:
+        """:meth:`first_unseen` once ``keys`` are out of any aging in progress."""
         counts, fresh, window = self._counts, self._fresh, self._window
         lo, hi = 0, len(keys)
         while lo < hi:
@@ -289,11 +354,14 @@ class PLFUPolicy(EvictionPolicy):
             recent[key] = base
 
     def on_access(self, keys: Sequence[bytes], reused: Container[bytes]) -> None:
-        self._apply_access(keys, self.first_unseen(keys) if self._fresh else len(keys))
+        if self._aging:
+            self._age_keys(keys)
+        self._apply_access(keys, self._first_unseen(keys) if self._fresh else len(keys))
 
     def _apply_access(self, keys: Sequence[bytes], first_new: int) -> None:
         """``on_access`` of ``keys`` (distinct, as the manager's access order is),
-        given ``first_new = first_unseen(keys)`` found before any of it was applied.
+        given ``first_new = first_unseen(keys)`` found before any of it was applied
+        (and, while an aging is in progress, ``_age_keys(keys)`` before both).
 
         The request's own new blocks, the unseen suffix that it stored, are
         most of the keys of most accesses (on the bundled trace at 16,000
@@ -311,6 +379,7 @@ class PLFUPolicy(EvictionPolicy):
         used = fresh.discard
         g1, g1_old, g2, g2_old = self._g1, self._g1_old, self._g2, self._g2_old
         base, cap, top = self._base << 3, _COUNT_CAP, _CLASSES - 1
+        multi = 0  # counts that reach 2 (self._multi)
         promoted: list[bytes] = []  # leave the window once the loop is done
         for key in reversed(keys):  # tail first: the head ends most recent
             if key in fresh:  # the first request that uses it since it was stored
@@ -323,6 +392,8 @@ class PLFUPolicy(EvictionPolicy):
                 if meta is not None:  # a main key
                     count = get(key, 0) + 1
                     counts[key] = count
+                    if count == 2:
+                        multi += 1
                     rmove(key)
                     c = class_of[count] if count < cap else top
                     old = meta & 7
@@ -339,19 +410,28 @@ class PLFUPolicy(EvictionPolicy):
                 count = get(key, 0) + 1
                 if count > 1 or key not in window:
                     counts[key] = count  # not resident (a window key's count of 1
-                    continue  # is implied, never stored)
+                    if count == 2:  # is implied, never stored)
+                        multi += 1
+                    continue
                 count = 2  # a window key one request used before
             # a second request uses a window key: to the main segment
             counts[key] = count
+            if count == 2:
+                multi += 1
             promoted.append(key)
             if key in g1 or key in g1_old or key in g2 or key in g2_old:
                 self._from_ghost(key)
             c = class_of[count] if count < cap else top
             classes[c][key] = None
             recent[key] = base | c
+        self._multi += multi
         if promoted:
             window.discard_many(promoted)
-        if len(counts) + len(window) - len(fresh) > self.history_limit:  # _history_size()
+        size = len(counts) + len(window) - len(fresh)  # _history_size(), inline
+        if self._aging:
+            self._age_some(self.AGE_STEP + 4 * len(keys))
+            size = self._history_size()
+        if size > self.history_limit:
             self._age()
 
     def _age(self) -> None:
@@ -363,7 +443,21 @@ class PLFUPolicy(EvictionPolicy):
         request has used it yet) keeps a count only if it had one: giving it
         one would make its own request's use count as a second, and move a
         block one request used into the main segment.
+
+        A history of more than ``AGE_AT_ONCE`` entries that one halving brings
+        to half its limit is aged in steps (:meth:`_age_in_steps`), others at once.
         """
+        self._finish_aging()
+        if self._history_size() <= self.history_limit:
+            return
+        if (self.age_in_steps and len(self._counts) > self.AGE_AT_ONCE
+                and self._multi <= self.history_limit // 2):
+            self._age_in_steps()
+        else:
+            self._age_at_once()
+
+    def _age_at_once(self) -> None:
+        """:meth:`_age` in one call."""
         before = counts = self._counts
         size = self._history_size()
         while size > self.history_limit // 2:
@@ -377,6 +471,56 @@ class PLFUPolicy(EvictionPolicy):
         for key in self._recent:
             keep(key, 1)
         self._counts = counts
+        self._multi = sum(1 for c in counts.values() if c > 1)
+
+    def _age_in_steps(self) -> None:
+        """Start :meth:`_age` as one halving (``_multi``: it leaves at most
+        half the limit) whose entries move to a new ``_counts`` later.
+
+        The old counts go to ``_aging``; the fresh keys' kept counts are written
+        now (the running requests' blocks, few). A later call moves a key's
+        count before it reads it (:meth:`_age_keys`), and before a main key
+        leaves the main segment; ``_age_some`` moves the rest, a step
+        a call. A count of 1 is kept for a main key that was in the main
+        segment when the aging started: one that entered it since was used, so
+        it has its entry in ``_counts`` already.
+        """
+        old, counts = self._counts, {}
+        for key in self._fresh:
+            c = old.get(key)
+            if c is not None:
+                counts[key] = c >> 1 if c > 1 else 1
+        self._counts, self._aging = counts, old
+        self._aging_items, self._aging_left = iter(old.items()), len(old)
+        self._aging_multi, self._multi = self._multi, sum(1 for c in counts.values() if c > 1)
+
+    def _age_keys(self, keys: Iterable[bytes]) -> None:
+        """Move the counts of ``keys`` out of the aging in progress."""
+        old = self._aging
+        pairs = [(key, c) for key in keys if (c := old.get(key)) is not None]
+        self._multi += _settle_aged(pairs, self._counts, self._recent)[1]
+
+    def _age_some(self, n: int) -> None:
+        """Move ``n`` more counts out of the aging in progress (all when ``n``
+        is at least what is left); forget the aging once none is left.
+
+        ``_aging`` is read through one iterator and never changed, so that a
+        step takes its entries at C speed; it is let go, its keys with it, at
+        the end.
+        """
+        pairs = list(islice(self._aging_items, n))
+        above, multi = _settle_aged(pairs, self._counts, self._recent)
+        self._multi += multi
+        self._aging_multi -= above
+        self._aging_left -= len(pairs)
+        if self._aging_left <= 0:
+            self._aging, self._aging_items = {}, iter(())
+            self._aging_left = self._aging_multi = 0
+
+    def _finish_aging(self) -> None:
+        """Complete the aging in progress, if any."""
+        if self._aging:
+            self._age_some(self._aging_left)
 
     def evict(self, n: int, protected: Container[bytes]) -> list[bytes] | None:
         if n <= 0:
@@ -494,6 +638,9 @@ class PLFUPolicy(EvictionPolicy):
                 by_lru: list[bytes]) -> None:
         """Remove the victims (the window's are removed already) and remember
         them as ghosts."""
+        if self._aging:  # a main key's count of 1 is kept only while it is main
+            self._age_keys(by_lfu)
+            self._age_keys(by_lru)
         g1, g2 = self._g1, self._g2
         classes, recent = self._classes, self._recent
         for key in from_window:
