@@ -98,7 +98,9 @@ class PLFUPolicy(EvictionPolicy):
     request has used since they were stored); a main key costs an entry in
     ``_recent`` (with its priority, an int) and in its class queue (ordered
     dicts) and its count; every key in ``history`` or a ghost list keeps its
-    key object alive.
+    key object alive. While a history is aged in steps, the counts before the
+    aging (``history_aging`` in ``sizes()``, at most the history's bound) are
+    held as well, until its last step.
     """
 
     name = "plfu"
@@ -158,9 +160,9 @@ class PLFUPolicy(EvictionPolicy):
         self._counts: dict[bytes, int] = {}
         self._fresh: set[bytes] = set()
         self._multi = 0  # at least the number of _counts entries above 1
-        # An aging in steps: the counts before it, not yet halved into _counts
-        # (emptied by popitem, a few thousand a call), and at least how many of
-        # them are above 1 (kvtier/policies/plfu.py, _age).
+        # An aging in steps (_age): the counts before it, read AGE_STEP a call
+        # through _aging_items into _counts, how many are left to read, and at
+        # least how many of those are above 1.
         self._aging: dict[bytes, int] = {}
         self._aging_items: Iterator[tuple[bytes, int]] = iter(())
         self._aging_left = 0
