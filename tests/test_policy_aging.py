@@ -176,3 +176,9 @@ def test_random_operations_keep_the_contract_while_aging_in_steps(
         capacity: int, ops: list, seed: int) -> None:
     exercise(_SteppedPLFU(capacity, history_factor=2), ops, random.Random(seed),
              invariants=plfu_invariants)
+
+
+@pytest.mark.parametrize("bad", ["no", 0, None])
+def test_age_in_steps_must_be_a_bool(bad: object) -> None:
+    with pytest.raises(ValueError, match="age_in_steps must be True or False"):
+        PLFUPolicy(16, age_in_steps=bad)  # type: ignore[arg-type]

@@ -145,6 +145,8 @@ class PLFUPolicy(EvictionPolicy):
         if (isinstance(history_factor, bool) or not isinstance(history_factor, int)
                 or history_factor < 2):
             raise ValueError(f"history_factor must be an int >= 2, got {history_factor!r}")
+        if not isinstance(age_in_steps, bool):
+            raise ValueError(f"age_in_steps must be True or False, got {age_in_steps!r}")
         self.history_limit = history_factor * capacity
         self.age_in_steps = age_in_steps
         self._generation = max(1, 3 * capacity // 4)
