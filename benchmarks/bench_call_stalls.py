@@ -97,7 +97,7 @@ def rows_for(policies: list[str]) -> list[str]:
     rows = []
     for policy in policies:
         rows.append(policy)
-        if hasattr(policy_class(policy)(16), "age_in_steps"):
+        if hasattr(policy_class(policy), "AGE_STEP"):
             rows.append(policy + AT_ONCE)
     return rows
 

@@ -400,22 +400,6 @@ def test_manager_cost_pairs_each_policy_with_vllms_own(
     assert all(r["kvtier_us_per_key"] > 0 and r["vllm_us_per_key"] > 0 for r in rows)
 
 
-@pytest.mark.parametrize(("args", "message"), [
-    (["--policy", "lru,lfu"], "--policy: unknown eviction policy 'lfu'"),
-    (["--repeats", "0"], "--repeats: must be >= 1, got 0"),
-    (["--capacity", "1000,x"], "--capacity: not an integer: 'x'"),
-    (["--store-threshold", "0"], "--store-threshold: must be >= 1, got 0"),
-    (["--trace", "/nowhere/t.jsonl"], "--trace: trace file not found: /nowhere/t.jsonl"),
-])
-def test_manager_cost_names_bad_arguments(args: list[str], message: str,
-                                          capsys: pytest.CaptureFixture[str]) -> None:
-    bench = _load("bench_manager")
-    with pytest.raises(SystemExit) as exc:
-        bench.main(args)
-    assert exc.value.code == 2
-    assert message in capsys.readouterr().err
-
-
 def _call_stalls() -> ModuleType:
     _load("bench_manager")  # what it imports by name, as it would from its folder
     return _load("bench_call_stalls")
@@ -434,15 +418,22 @@ def test_call_stalls_times_every_request_of_each_manager(
     assert all(0 < r["p50_us"] <= r["p999_us"] <= r["max_us"] for r in rows)
 
 
-@pytest.mark.parametrize(("args", "message"), [
-    (["--policy", "lru,lfu"], "--policy: unknown eviction policy 'lfu'"),
-    (["--requests", "0"], "--requests: must be >= 1, got 0"),
-    (["--capacity", "1000,x"], "--capacity: not an integer: 'x'"),
-    (["--kind", "chats"], "--kind: invalid choice: 'chats'"),
+@pytest.mark.parametrize(("bench", "args", "message"), [
+    ("bench_manager", ["--policy", "lru,lfu"], "--policy: unknown eviction policy 'lfu'"),
+    ("bench_manager", ["--repeats", "0"], "--repeats: must be >= 1, got 0"),
+    ("bench_manager", ["--capacity", "1000,x"], "--capacity: not an integer: 'x'"),
+    ("bench_manager", ["--store-threshold", "0"], "--store-threshold: must be >= 1, got 0"),
+    ("bench_manager", ["--trace", "/nowhere/t.jsonl"],
+     "--trace: trace file not found: /nowhere/t.jsonl"),
+    ("bench_call_stalls", ["--policy", "lru,lfu"], "--policy: unknown eviction policy 'lfu'"),
+    ("bench_call_stalls", ["--requests", "0"], "--requests: must be >= 1, got 0"),
+    ("bench_call_stalls", ["--capacity", "1000,x"], "--capacity: not an integer: 'x'"),
+    ("bench_call_stalls", ["--kind", "chats"], "--kind: invalid choice: 'chats'"),
 ])
-def test_call_stalls_names_bad_arguments(args: list[str], message: str,
-                                         capsys: pytest.CaptureFixture[str]) -> None:
+def test_manager_benchmarks_name_bad_arguments(bench: str, args: list[str], message: str,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    main = (_call_stalls() if bench == "bench_call_stalls" else _load(bench)).main
     with pytest.raises(SystemExit) as exc:
-        _call_stalls().main(args)
+        main(args)
     assert exc.value.code == 2
     assert message in capsys.readouterr().err

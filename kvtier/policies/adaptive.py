@@ -286,11 +286,7 @@ class AdaptivePolicy(PLFUPolicy):
 
     def on_demand_access(self, keys: Sequence[bytes], reused: Container[bytes],
                          asked_from: int) -> None:
-        # only blocks stored and not used yet (_fresh) can move: skip the
-        # search when there are none (admission declined every new block)
-        if self._aging:
-            self._age_keys(keys)
-        first_new = self._first_unseen(keys) if self._fresh else len(keys)
+        first_new = self._access_starts(keys)
         turn = self.turns.continues(keys, first_new, asked_from)
         self.turns.ended(keys)
         self._apply_access(keys, first_new)

@@ -358,9 +358,15 @@ class PLFUPolicy(EvictionPolicy):
             recent[key] = base
 
     def on_access(self, keys: Sequence[bytes], reused: Container[bytes]) -> None:
+        self._apply_access(keys, self._access_starts(keys))
+
+    def _access_starts(self, keys: Sequence[bytes]) -> int:
+        """What an access of ``keys`` needs first: their counts out of any aging
+        in progress, and ``first_unseen(keys)`` (``len(keys)`` when no window
+        key is fresh: only those can move, so the search is skipped)."""
         if self._aging:
             self._age_keys(keys)
-        self._apply_access(keys, self._first_unseen(keys) if self._fresh else len(keys))
+        return self._first_unseen(keys) if self._fresh else len(keys)
 
     def _apply_access(self, keys: Sequence[bytes], first_new: int) -> None:
         """``on_access`` of ``keys`` (distinct, as the manager's access order is),
