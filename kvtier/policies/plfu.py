@@ -128,9 +128,9 @@ class PLFUPolicy(EvictionPolicy):
     START_WINDOW = MIN_WINDOW
     """Share of the cache ``target`` starts at (and returns to at ``clear``)."""
     AGE_AT_ONCE = 65536
-    """A history of up to this many entries is aged in one call (about 70 ns
-    an entry, 5 ms here: about what growing the history's dict to that size
-    takes in one call anyway)..."""
+    """A history of up to this many entries is aged in one call (a few ms:
+    about what growing the history's dict to that size takes in one call
+    anyway)..."""
     AGE_STEP = 4096
     """...a larger one over several calls, this many entries a call (more for
     a request of many keys), while every call reads the counts that aging at
