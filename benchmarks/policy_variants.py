@@ -9,7 +9,10 @@ two earlier uses. ``STARTS`` are ``AdaptivePolicy`` with its shadows on that
 begin otherwise: with admission on, or taking the best shadow's
 configuration without hysteresis once the cache is first full, or
 deciding first from shadows sampled at a higher rate (docs/policy.md, "How
-it starts").
+it starts"). ``GHOSTS`` are ``AdaptivePolicy`` whose window learns from
+fewer of its ghosts: only those of the newer generation, or only those
+within ARC's bound on a ghost list's depth (docs/policy.md, "Which ghosts
+move the window").
 
     PYTHONPATH=benchmarks kvtier replay --capacity 4000 \\
         --policy lru,default,policy_variants:Admit8,policy_variants:Window1 TRACE
@@ -19,8 +22,11 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Container, Sequence
+from typing import Any
 
 from kvtier.policies.adaptive import AdaptivePolicy, _Shadow
+
+_ABSENT = object()
 
 
 class _Fixed(AdaptivePolicy):
@@ -229,3 +235,76 @@ class WarmStart4(WarmStart):
 
 STARTS = (StartAdmit, FirstFree, WarmStart, WarmStart4)
 """The variants of how the default begins: ``policy_variants:NAME`` each."""
+
+
+class RecentGhosts(AdaptivePolicy):
+    """The default policy whose window moves only for a ghost of the newer
+    generation (at most ``3/4 capacity`` victims back); a main-segment ghost
+    of the older one still moves ``lfu_share``."""
+
+    name = "recent-ghosts"
+
+    def _from_ghost(self, key: bytes) -> None:
+        old = key not in self._g1 and key not in self._g2
+        target = self.target
+        super()._from_ghost(key)
+        if old:
+            self.target = target
+
+
+class GhostDepth(AdaptivePolicy):
+    """The default policy with ARC's bound on a ghost list's depth: a ghost
+    moves the window only if fewer victims of its own segment followed it
+    than the cache has room beyond that segment (``capacity - |window|`` for
+    a window ghost, ``capacity - |main|`` for a main one; in ARC ``|T1| +
+    |B1| <= c`` says the same). Each ghost carries its victim number (in
+    place of the ghost lists' values), so the memory is the default's."""
+
+    name = "ghost-depth"
+
+    def _init_state(self) -> None:
+        super()._init_state()
+        self._victims = [0, 0]  # victims of the window, of the main segment
+
+    def evict(self, n: int, protected: Container[bytes]) -> list[bytes] | None:
+        out = super().evict(n, protected)
+        for key in out or ():
+            self._number(key)
+        return out
+
+    def _ghost_lists(self) -> tuple[tuple[dict[bytes, Any], dict[bytes, Any], int], ...]:
+        """(newer, older, resident blocks) of the window's ghosts, then the main's."""
+        return ((self._g1, self._g1_old, len(self._window)),
+                (self._g2, self._g2_old, len(self._recent)))
+
+    def _number(self, key: bytes) -> None:
+        """Stamp a new ghost with its segment's victim number."""
+        for segment, (new, old, _) in enumerate(self._ghost_lists()):
+            for ghosts in (new, old):
+                value = ghosts.get(key, _ABSENT)
+                if value is None or isinstance(value, bool):  # not numbered yet
+                    ghosts[key] = (self._victims[segment], value)
+                    self._victims[segment] += 1
+                    return
+
+    def _from_ghost(self, key: bytes) -> None:
+        for segment, (new, old, held) in enumerate(self._ghost_lists()):
+            ghosts = new if key in new else old if key in old else None
+            if ghosts is None:
+                continue
+            entry = ghosts[key]
+            number, value = entry if isinstance(entry, tuple) else (self._victims[segment], entry)
+            ghosts[key] = value  # as the default keeps it, for its _from_ghost
+            if self._victims[segment] - number <= self.capacity - held:
+                super()._from_ghost(key)
+                return
+            del ghosts[key]
+            if segment:  # too deep to move the window; still a vote on the order
+                share, rate = self.lfu_share, self.LEARNING_RATE
+                share = share - rate * share if value else share + rate * (1.0 - share)
+                self.lfu_share = min(1.0 - self.MIN_SHARE, max(self.MIN_SHARE, share))
+            return
+
+
+GHOSTS = (RecentGhosts, GhostDepth)
+"""The variants of which ghosts move the window: ``policy_variants:NAME`` each."""

@@ -437,3 +437,48 @@ def test_manager_benchmarks_name_bad_arguments(bench: str, args: list[str], mess
         main(args)
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("index", range(2))
+def test_each_ghost_variant_keeps_the_contract(index: int) -> None:
+    pol = _load("policy_variants").GHOSTS[index](24)
+    exercise(pol, random_ops(random.Random(index), 600), random.Random(index))
+
+
+def _window_ghost_returns(pol: AdaptivePolicy, refill: bool) -> float:
+    """Fill ``pol`` (64 blocks), evict 16 window blocks (refilling the cache
+    if ``refill``), lower the window's target and let the last victim come
+    back; return how far the target moved."""
+    pol.insert([block_key(i) for i in range(64)])
+    victims = pol.evict(16, ())
+    assert victims is not None and victims[-1] in pol._g1
+    if refill:
+        pol.insert([block_key(100 + i) for i in range(16)])
+    pol.target = before = 16.0
+    pol._from_ghost(victims[-1])
+    return pol.target - before
+
+
+def test_recent_ghosts_moves_the_window_for_the_newer_generation_only() -> None:
+    variants = _load("policy_variants")
+    for cls, moves_for_old in ((variants.RecentGhosts, False), (AdaptivePolicy, True)):
+        pol = cls(64)
+        key, newer = block_key(1), block_key(2)
+        pol._g1_old[key] = None
+        pol.target = 16.0
+        pol._from_ghost(key)
+        assert (pol.target > 16.0) is moves_for_old  # the default: the control
+        assert key not in pol._g1_old
+        pol._g1[newer] = None
+        pol.target = 16.0
+        pol._from_ghost(newer)
+        assert pol.target > 16.0
+
+
+def test_ghost_depth_moves_the_window_within_arcs_bound_only() -> None:
+    depth = _load("policy_variants").GhostDepth
+    # refilled: one victim followed the ghost, and the window holds the whole cache
+    assert _window_ghost_returns(depth(64), refill=True) == 0.0
+    assert _window_ghost_returns(AdaptivePolicy(64), refill=True) > 0.0  # the control
+    # not refilled: the 16 blocks of room beyond the window would have kept it
+    assert _window_ghost_returns(depth(64), refill=False) > 0.0
