@@ -11,21 +11,43 @@ how far one round moves; on a shared machine the paired ratio is the
 steadier figure, and pinning the process to one core (``taskset -c 1``)
 steadier still.
 
+``--lockstep`` replays each policy side by side with LRU instead, one
+manager each: each request goes to both in turn, first to one, then at the
+next request first to the other, and each manager's calls are timed alone.
+A change in the machine's speed, which moves whole replays by tens of
+percent here, then falls on both within the same microseconds, and the
+paired ratio holds to about a percent (LRU beside LRU: 1.00). Each manager
+also meets the other's data in the CPU caches between its calls, as a
+manager inside a server meets the engine's: its time per key is not that of
+a replay alone, and the ratio depends on what shares the caches (hence a
+pair each, whatever else the command names). LRU's row is its run beside
+the first policy.
+
     python benchmarks/bench_policy_cost.py [--policies lru,plfu,adaptive]
-        [--capacity 1000,4000,16000] [--rounds 5] [--json] [TRACE]
+        [--capacity 1000,4000,16000] [--rounds 5] [--lockstep] [--json] [TRACE]
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 
+from kvtier.admission import DEFAULT_MAX_TRACKER_SIZE
+from kvtier.manager import OffloadManager
 from kvtier.progress import make_progress
-from kvtier.replay.driver import replay, trace_keys
+from kvtier.replay.driver import (
+    replay,
+    replay_manager,
+    replay_request,
+    request_context,
+    trace_keys,
+)
 from kvtier.replay.trace import BUNDLED_TRACE, load_trace
 
 BASELINE = "lru"
@@ -51,20 +73,76 @@ def measure(trace: Path, policies: list[str], capacities: list[int],
     return runs
 
 
+def measure_lockstep(trace: Path, policies: list[str], capacities: list[int],
+                     rounds: int) -> tuple[dict[tuple[str, int], list[float]],
+                                           dict[tuple[str, int], list[float]]]:
+    """Microseconds per key of every (policy, capacity), one per round, each
+    policy replayed side by side with LRU (``--lockstep``); and the LRU
+    partner's, paired the same way."""
+    requests = trace_keys(load_trace(trace))
+    keys = sum(map(len, requests))
+    others = [p for p in policies if p != BASELINE]
+    runs: dict[tuple[str, int], list[float]] = {(p, c): [] for c in capacities for p in policies}
+    partner: dict[tuple[str, int], list[float]] = {(p, c): [] for c in capacities for p in policies}
+    bar = make_progress(rounds * len(capacities) * len(others), True, unit="run")
+    try:
+        for r in range(rounds):
+            for capacity in capacities:
+                for policy in others:
+                    bar.describe(f"round {r + 1}/{rounds}: lru and {policy} @ {capacity}")
+                    gc.collect()
+                    managers = [replay_manager(capacity, name, 1, DEFAULT_MAX_TRACKER_SIZE)
+                                for name in (BASELINE, policy)]
+                    lru, mine = lockstep_seconds(requests, managers)
+                    runs[policy, capacity].append(mine / keys * 1e6)
+                    partner[policy, capacity].append(lru / keys * 1e6)
+                    bar.update(1)
+                runs[BASELINE, capacity].append(partner[others[0], capacity][-1])
+                partner[BASELINE, capacity].append(runs[BASELINE, capacity][-1])
+    finally:
+        bar.close()
+    return runs, partner
+
+
+def lockstep_seconds(requests: list[list[bytes]],
+                     managers: list[OffloadManager]) -> list[float]:
+    """Seconds each manager spent in its calls, every request going to every
+    manager in turn (``replay_request``), in an order that runs through every
+    permutation of them (so that each precedes each other as often)."""
+    seconds = [0.0] * len(managers)
+    clock = time.perf_counter
+    orders = itertools.cycle(itertools.permutations(range(len(managers))))
+    for i, keys in enumerate(requests):
+        for k in next(orders):
+            ctx = request_context(i, keys)
+            start = clock()
+            replay_request(managers[k], keys, ctx)
+            seconds[k] += clock() - start
+    return seconds
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("trace", nargs="?", type=Path, default=BUNDLED_TRACE)
     ap.add_argument("--policies", default="lru,plfu,adaptive")
     ap.add_argument("--capacity", default="1000,4000,16000")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--lockstep", action="store_true",
+                    help="replay the policies of a capacity side by side, request by request")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     policies = list(dict.fromkeys([BASELINE, *args.policies.split(",")]))
     capacities = [int(c) for c in args.capacity.split(",")]
     if args.rounds < 1:
         ap.error("--rounds must be >= 1")
-    runs = measure(args.trace, policies, capacities, args.rounds)
-    rows = [summarize(p, c, runs[p, c], runs[BASELINE, c]) for c in capacities for p in policies]
+    if args.lockstep:
+        if len(policies) < 2:
+            ap.error("--lockstep pairs each policy with lru: name another policy")
+        runs, partner = measure_lockstep(args.trace, policies, capacities, args.rounds)
+    else:
+        runs = measure(args.trace, policies, capacities, args.rounds)
+        partner = {(p, c): runs[BASELINE, c] for c in capacities for p in policies}
+    rows = [summarize(p, c, runs[p, c], partner[p, c]) for c in capacities for p in policies]
     if args.json:
         json.dump(rows, sys.stdout, indent=1)
         print()

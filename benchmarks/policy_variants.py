@@ -203,10 +203,11 @@ class WarmStart(AdaptivePolicy):
         sampled = served + [k for k in keys[asked_from:] if crc(k) < threshold]
         if not sampled:
             return
-        self._feed(self.warm, sampled, len(served))
+        self._feed(self.warm, [(sampled, len(served))])
         self._warm_sampled += len(sampled)
         if self._warm_sampled >= self._warm_capacity:
             self._warm_sampled = 0
+            self._feed_pending()  # before a switch resets their differences
             self._end_epoch(self.warm)
             self._follow_best(self.warm)
             self._warm_epochs += 1
@@ -219,6 +220,7 @@ class WarmStart(AdaptivePolicy):
         if not self.warm:
             super()._decide()
             return
+        self._feed_pending()
         self._sampled = 0
         self._end_epoch(self.shadows)  # scores from the start, no decision yet
 

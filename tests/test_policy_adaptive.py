@@ -178,6 +178,58 @@ def test_follows_the_best_shadow() -> None:
     assert pol.admission
 
 
+class _FedEachRequest(AdaptivePolicy):
+    """The shadows fed at every request, as before session 40 (the reference)."""
+
+    def on_demand_access(self, keys: list[bytes], reused: object, asked_from: int) -> None:
+        super().on_demand_access(keys, set(), asked_from)
+        self._feed_pending()
+
+
+class _FedNewestFirst(AdaptivePolicy):
+    """An epoch's requests fed newest first (the negative control)."""
+
+    def _feed_pending(self) -> None:
+        self._pending.reverse()
+        super()._feed_pending()
+
+
+def _decisions(cls: type[AdaptivePolicy], seed: int) -> list[object]:
+    """What ``cls`` (400 blocks) admits and evicts at each request of hot
+    documents between floods of new blocks, some served in part by an engine
+    cache in front (``asked_from``); then its shadows' scores."""
+    rng = random.Random(seed)
+    pol = cls(400)
+    hot = [list(range(100_000 * d, 100_000 * d + 4)) for d in range(150)]
+    out: list[object] = []
+    for fresh in range(10**8, 10**8 + 8 * 6000, 8):
+        ids = list(hot[rng.randrange(len(hot))]) if rng.random() < 0.4 else []
+        keys = ks(ids + list(range(fresh, fresh + 8)))
+        new = [key for key in keys if pol.segment(key) is None]
+        admitted = pol.admit(new)
+        new = new[:admitted]
+        over = len(pol) + len(new) - pol.capacity
+        victims = pol.evict(over, set(keys)) if over > 0 else []
+        assert victims is not None
+        pol.insert(new)
+        pol.on_demand_access(keys, set(), rng.randrange(len(ids) + 1))
+        out.append((admitted, victims, pol.configuration()))
+    pol._feed_pending()  # what an epoch's end would feed them
+    out.append([(s.score, s.spread, s.hits, len(s.resident)) for s in pol.shadows])
+    return out
+
+
+@pytest.mark.parametrize("seed", [5, 6])
+def test_shadows_fed_an_epoch_at_a_time_decide_as_if_fed_each_request(seed: int) -> None:
+    # the shadows are read only at an epoch's end: feeding them its requests
+    # then, one shadow at a time, leaves every score, spread and decision as
+    # it was; feeding them in another order does not
+    reference = _decisions(_FedEachRequest, seed)
+    assert {mode for _, _, mode in reference[:-1]} != {AdaptivePolicy.START}  # they switch
+    assert _decisions(AdaptivePolicy, seed) == reference
+    assert _decisions(_FedNewestFirst, seed) != reference
+
+
 class _NoCorrection(AdaptivePolicy):
     """The switch without the continuity correction (the negative control)."""
 

@@ -18,7 +18,7 @@ import pytest
 from helpers.hash_id_traces import chat_requests, shared_head_between_one_offs
 from helpers.policy_contract import exercise, random_ops
 
-from kvtier import block_key
+from kvtier import OffloadManager, RequestContext, block_key
 from kvtier.policies.adaptive import AdaptivePolicy
 from kvtier.replay.driver import replay, trace_keys
 from kvtier.replay.generate import generate, write_trace
@@ -137,6 +137,50 @@ def test_generated_workloads_replays_each_key_seed_as_a_draw(
     median = (rows[0]["vs_lru"] + rows[1]["vs_lru"]) / 2
     assert f"{worst['key_seed']:4d} {median:6.3f}     2/2" in out
     assert "chat-3 key seed 0 @ 60 default" in out and "2 of 2 cells missed" in out
+
+
+def test_policy_cost_lockstep_pairs_each_policy_with_lru(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cost = _load("bench_policy_cost")
+    trace = _loop_with_one_offs(tmp_path / "t.jsonl")
+    assert cost.main([str(trace), "--policies", "plfu,default", "--capacity", "8,16",
+                      "--rounds", "2", "--lockstep", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["policy"], r["capacity"]) for r in rows] == [
+        (p, c) for c in (8, 16) for p in ("lru", "plfu", "default")]
+    assert all(r["us_per_key"] > 0 for r in rows)
+    assert all(r["vs_lru"] == 1.0 for r in rows if r["policy"] == "lru")
+    with pytest.raises(SystemExit):
+        cost.main([str(trace), "--policies", "lru", "--lockstep"])
+    assert "--lockstep pairs each policy with lru" in capsys.readouterr().err
+
+
+def test_lockstep_gives_each_manager_the_replay_it_would_get_alone(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the managers share the requests and the clock, nothing else: each stores
+    # and evicts what a replay of its own does, and each goes first as often
+    cost = _load("bench_policy_cost")
+    requests = trace_keys(cost.load_trace(_loop_with_one_offs(tmp_path / "t.jsonl")))
+    names = ("lru", "default", "plfu")
+    managers = [cost.replay_manager(8, name, 1, cost.DEFAULT_MAX_TRACKER_SIZE) for name in names]
+    served: list[int] = []  # which manager took each call
+    run = cost.replay_request
+
+    def noted(mgr: OffloadManager, keys: list[bytes], ctx: RequestContext) -> int:
+        served.append(managers.index(mgr))
+        return run(mgr, keys, ctx)
+
+    monkeypatch.setattr(cost, "replay_request", noted)
+    seconds = cost.lockstep_seconds(requests, managers)
+    assert len(seconds) == 3 and all(t > 0 for t in seconds)
+    turns = [served[i:i + 3] for i in range(0, len(served), 3)]
+    assert len(turns) == len(requests) and all(sorted(t) == [0, 1, 2] for t in turns)
+    whole = len(requests) - len(requests) % 6  # the six orders of three, each in turn
+    firsts = [t[0] for t in turns[:whole]]
+    assert firsts.count(0) == firsts.count(1) == firsts.count(2) == whole // 3
+    for name, mgr in zip(names, managers, strict=True):
+        alone = replay(requests, 8, name)
+        assert (mgr.stats()["stores"], mgr.stats()["evictions"]) == (alone.stores, alone.evictions)
 
 
 def test_policy_cost_row_takes_the_median_and_quartiles_of_paired_ratios() -> None:

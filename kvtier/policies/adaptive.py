@@ -71,6 +71,15 @@ class _Shadow:
                 resident.update(missing)
         p.on_access(keys, ())
 
+    def access_all(self, requests: list[tuple[list[bytes], int]]) -> list[int]:
+        """:meth:`access` each of ``requests`` (sampled keys, ``asked_from``)
+        in turn; return the hits of each."""
+        access, hits = self.access, []
+        for keys, asked_from in requests:
+            access(keys, asked_from)
+            hits.append(self.last)
+        return hits
+
 
 class AdaptivePolicy(PLFUPolicy):
     """PLFU (``kvtier.policies.plfu``) whose two trace-dependent choices are made
@@ -85,7 +94,12 @@ class AdaptivePolicy(PLFUPolicy):
       the keys whose CRC-32 falls in the sampled ``rate`` of the hash space
       (spatial sampling, as SHARDS does: a sampled key is sampled in every
       request). Each scores its hits, decayed by ``DECAY`` per epoch of
-      ``shadow capacity`` sampled accesses. A hit counts only among the keys
+      ``shadow capacity`` sampled accesses. The shadows are read only at an
+      epoch's end, so a request's sampled keys wait in ``_pending`` (less
+      than an epoch's, plus one request's) and the shadows take an epoch's
+      requests one shadow at a time: each finds its own state in the CPU
+      caches, which a shadow fed at every request did not (docs/policy.md,
+      "Cost side by side"). A hit counts only among the keys
       the request asked the cache for (``on_demand_access``): behind the
       engine's prefix cache a request offers blocks the engine served it, and
       a shadow holding those has gained nothing;
@@ -217,6 +231,7 @@ class AdaptivePolicy(PLFUPolicy):
         self.history_factor, self.admission = self.START
         self.history_limit = self.history_factor * self.capacity
         self._sampled = 0
+        self._pending: list[tuple[list[bytes], int]] = []  # this epoch's sampled requests
         self.turns = TurnTracker(self.TURN_ENDS * self.capacity)
 
     # -- introspection -------------------------------------------------------
@@ -230,6 +245,7 @@ class AdaptivePolicy(PLFUPolicy):
             total["shadow_history"] += inner["history"]
             total["shadow_ghosts"] += inner["ghost_window"] + inner["ghost_main"]
         sizes.update(total)
+        sizes["shadow_pending"] = sum(len(keys) for keys, _ in self._pending)
         sizes["turn_ends"] = len(self.turns)
         return sizes
 
@@ -243,6 +259,7 @@ class AdaptivePolicy(PLFUPolicy):
             total["shadow_history"] += max(self.FACTORS) * s.capacity + batch
             total["shadow_ghosts"] += inner["ghost_window"] + inner["ghost_main"]
         bounds.update(total)
+        bounds["shadow_pending"] = self._shadow_capacity + batch
         bounds["turn_ends"] = self.turns.limit
         return bounds
 
@@ -259,6 +276,7 @@ class AdaptivePolicy(PLFUPolicy):
 
     def configure(self, history_factor: int, admission: bool) -> None:
         """Make a candidate configuration the active one (tests, experiments)."""
+        self._feed_pending()  # their differences count against the configuration before
         for i, s in enumerate(self.shadows):
             if (s.history_factor, s.admission) == (history_factor, admission):
                 self._switch(i)
@@ -299,21 +317,30 @@ class AdaptivePolicy(PLFUPolicy):
         else:
             sampled = self.sampled(keys)
         if sampled:
-            self._feed(self.shadows, sampled, asked_from)
+            self._pending.append((sampled, asked_from))
             self._sampled += len(sampled)
             if self._sampled >= self._shadow_capacity:
                 self._decide()
 
-    def _feed(self, shadows: list[_Shadow], sampled: list[bytes], asked_from: int) -> None:
-        """One request's sampled keys to ``shadows``; each adds its squared
-        difference of hits to the active configuration's shadow."""
-        for s in shadows:
-            s.access(sampled, asked_from)
-        mine = shadows[self._active].last
-        for s in shadows:
-            d = s.last - mine
-            if d:
-                s.spread += d * d
+    def _feed(self, shadows: list[_Shadow], requests: list[tuple[list[bytes], int]]) -> None:
+        """``requests`` (sampled keys, ``asked_from``), in order, to each of
+        ``shadows``; each adds its squared per-request differences of hits to
+        the active configuration's shadow."""
+        hits = [s.access_all(requests) for s in shadows]
+        mine = hits[self._active]
+        for s, row in zip(shadows, hits, strict=True):
+            spread = s.spread
+            for n, m in zip(row, mine, strict=True):
+                d = n - m
+                if d:
+                    spread += d * d
+            s.spread = spread
+
+    def _feed_pending(self) -> None:
+        """Feed the shadows the requests sampled since the last feed."""
+        if self._pending:
+            requests, self._pending = self._pending, []
+            self._feed(self.shadows, requests)
 
     def sampled(self, keys: Sequence[bytes]) -> list[bytes]:
         """The keys of ``keys`` the shadows see (CRC-32 below the sampling threshold)."""
@@ -321,7 +348,9 @@ class AdaptivePolicy(PLFUPolicy):
         return [k for k in keys if crc(k) < threshold]
 
     def _decide(self) -> None:
-        """End of an epoch: update the scores, follow the best shadow."""
+        """End of an epoch: feed the shadows its requests, update the scores,
+        follow the best shadow."""
+        self._feed_pending()
         self._sampled = 0
         self._end_epoch(self.shadows)
         self._follow_best(self.shadows)

@@ -126,8 +126,8 @@ def trace_keys(requests: Iterable[TraceRequest], group: int = 0) -> list[list[by
     return out
 
 
-def _replay_one(mgr: OffloadManager, keys: list[bytes], ctx: RequestContext) -> int:
-    """Run one request's manager calls; return its prefix-hit blocks."""
+def replay_request(mgr: OffloadManager, keys: list[bytes], ctx: RequestContext) -> int:
+    """Run one request's manager calls (this module's order); return its prefix-hit blocks."""
     hits = mgr.lookup(keys, ctx)
     if hits:
         loaded = keys[:hits]
@@ -153,7 +153,7 @@ def _run(
     elapsed = 0.0
     for keys, ctx in request_contexts(requests, progress):
         start = clock()
-        hits += _replay_one(mgr, keys, ctx)
+        hits += replay_request(mgr, keys, ctx)
         elapsed += clock() - start
     return hits, elapsed
 
@@ -165,15 +165,20 @@ def request_contexts(
     reporting progress every ``PROGRESS_EVERY`` requests and at the end."""
     pending = 0
     for i, keys in enumerate(requests):
-        ctx = RequestContext(f"req-{i}")
-        ctx.set_positions(keys, MOONCAKE_BLOCK_TOKENS, MOONCAKE_BLOCK_TOKENS)
-        yield keys, ctx
+        yield keys, request_context(i, keys)
         pending += 1
         if progress is not None and pending == PROGRESS_EVERY:
             progress(pending)
             pending = 0
     if progress is not None and pending:
         progress(pending)
+
+
+def request_context(index: int, keys: list[bytes]) -> RequestContext:
+    """A fresh context for request ``index`` of a replay, its trace block positions set."""
+    ctx = RequestContext(f"req-{index}")
+    ctx.set_positions(keys, MOONCAKE_BLOCK_TOKENS, MOONCAKE_BLOCK_TOKENS)
+    return ctx
 
 
 def replay(
