@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import random
+from collections.abc import Container, Sequence
 
 import pytest
 from helpers.policy_contract import drive_manager, exercise
@@ -181,8 +182,9 @@ def test_follows_the_best_shadow() -> None:
 class _FedEachRequest(AdaptivePolicy):
     """The shadows fed at every request, as before session 40 (the reference)."""
 
-    def on_demand_access(self, keys: list[bytes], reused: object, asked_from: int) -> None:
-        super().on_demand_access(keys, set(), asked_from)
+    def on_demand_access(self, keys: Sequence[bytes], reused: Container[bytes],
+                         asked_from: int) -> None:
+        super().on_demand_access(keys, reused, asked_from)
         self._feed_pending()
 
 

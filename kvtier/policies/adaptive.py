@@ -129,8 +129,9 @@ class AdaptivePolicy(PLFUPolicy):
     capacity`` history keys, about ``3 * capacity`` ghosts), plus the shadows:
     ``len(CANDIDATES)`` miniatures of ``rate * capacity`` blocks with the same
     bounds each, where ``rate`` is at most ``MAX_RATE``; in all at most about
-    ``(max(FACTORS) + 4) * capacity * (1 + len(CANDIDATES) * rate)`` keys, and
-    ``TURN_ENDS * capacity`` request ends.
+    ``(max(FACTORS) + 4) * capacity * (1 + len(CANDIDATES) * rate)`` keys,
+    ``TURN_ENDS * capacity`` request ends, and the sampled keys waiting for
+    the epoch's end (fewer than a shadow's capacity plus one request's).
     """
 
     name = "adaptive"
