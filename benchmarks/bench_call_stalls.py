@@ -38,7 +38,7 @@ from bench_manager import (
 )
 
 import kvtier
-from kvtier.argtypes import int_list, name_list, positive_int
+from kvtier.argtypes import int_list, policy_list, positive_int
 from kvtier.policies import policy_class
 from kvtier.replay.generate import KINDS, generate
 
@@ -120,7 +120,7 @@ def measure(traces: list[list[bytes]], capacity: int, rows: list[str],
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--capacity", type=int_list, default="16384,65536")
-    parser.add_argument("--policy", type=name_list, default="lru,default")
+    parser.add_argument("--policy", type=policy_list, default="lru,default")
     parser.add_argument("--kind", default="rag", choices=sorted(KINDS))
     parser.add_argument("--requests", type=positive_int, default=120_000)
     parser.add_argument("--seed", type=int, default=0)
@@ -129,11 +129,6 @@ def main(argv: list[str] | None = None) -> int:
                         help="leave out vLLM's manager")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
-    for policy in args.policy:
-        try:
-            policy_class(policy)
-        except (TypeError, ValueError) as exc:
-            parser.error(f"--policy: {exc}")
     traces = [[kvtier.block_key(h) for h in req.hash_ids]
               for req in generate(args.kind, args.seed, args.requests)]
     rows = rows_for(args.policy) + (["vllm"] if args.vllm else [])

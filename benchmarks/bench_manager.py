@@ -25,8 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import kvtier
-from kvtier.argtypes import int_list, name_list, positive_int
-from kvtier.policies import policy_class
+from kvtier.argtypes import int_list, policy_list, positive_int
 from kvtier.replay.trace import load_trace
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -145,17 +144,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trace", type=Path, default=TRACE)
     parser.add_argument("--repeats", type=positive_int, default=3)
     parser.add_argument("--capacity", type=int_list, default="1000,4000,16000")
-    parser.add_argument("--policy", type=name_list, default="lru,arc")
+    parser.add_argument("--policy", type=policy_list, default="lru,arc")
     parser.add_argument("--store-threshold", type=int_list, default="1,2")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--no-positions", dest="positions", action="store_false")
     args = parser.parse_args(argv)
     policies: list[str] = args.policy
-    for policy in policies:
-        try:
-            policy_class(policy)
-        except (TypeError, ValueError) as exc:
-            parser.error(f"--policy: {exc}")
     pairs = {policy: vllm_counterpart(policy) for policy in policies}
     try:
         requests = load_trace(args.trace)

@@ -39,6 +39,7 @@ import time
 from pathlib import Path
 
 from kvtier.admission import DEFAULT_MAX_TRACKER_SIZE
+from kvtier.argtypes import int_list, policy_list, positive_int
 from kvtier.manager import OffloadManager
 from kvtier.progress import make_progress
 from kvtier.replay.driver import (
@@ -124,17 +125,15 @@ def lockstep_seconds(requests: list[list[bytes]],
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("trace", nargs="?", type=Path, default=BUNDLED_TRACE)
-    ap.add_argument("--policies", default="lru,plfu,adaptive")
-    ap.add_argument("--capacity", default="1000,4000,16000")
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--policies", type=policy_list, default="lru,plfu,adaptive")
+    ap.add_argument("--capacity", type=int_list, default="1000,4000,16000")
+    ap.add_argument("--rounds", type=positive_int, default=5)
     ap.add_argument("--lockstep", action="store_true",
                     help="replay the policies of a capacity side by side, request by request")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
-    policies = list(dict.fromkeys([BASELINE, *args.policies.split(",")]))
-    capacities = [int(c) for c in args.capacity.split(",")]
-    if args.rounds < 1:
-        ap.error("--rounds must be >= 1")
+    policies = list(dict.fromkeys([BASELINE, *args.policies]))
+    capacities: list[int] = args.capacity
     if args.lockstep:
         if len(policies) < 2:
             ap.error("--lockstep pairs each policy with lru: name another policy")

@@ -35,7 +35,7 @@ import statistics
 import sys
 from dataclasses import asdict, dataclass
 
-from kvtier.argtypes import int_list, known_name_list, name_list, positive_int, seed_list
+from kvtier.argtypes import int_list, known_name_list, policy_list, positive_int, seed_list
 from kvtier.policies import policy_class
 from kvtier.progress import make_progress
 from kvtier.replay.driver import replay, trace_keys
@@ -135,22 +135,12 @@ def _kinds(text: str) -> list[str]:
     return known_name_list(text, KINDS, "workload")
 
 
-def _policies(text: str) -> list[str]:
-    names = name_list(text)
-    for name in names:
-        try:
-            policy_class(name)
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
-    return names
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--kinds", type=_kinds, default=list(KINDS))
     ap.add_argument("--seeds", type=seed_list, default=[1, 2, 3])
     ap.add_argument("--capacity", type=int_list, default=[1000, 4000, 16000])
-    ap.add_argument("--policies", type=_policies, default=["default"])
+    ap.add_argument("--policies", type=policy_list, default=["default"])
     ap.add_argument("--requests", type=positive_int, default=10_000)
     ap.add_argument("--key-seeds", type=seed_list, default=[0])
     ap.add_argument("--floor", type=float, default=0.98)

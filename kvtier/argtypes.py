@@ -128,6 +128,20 @@ def name_list(text: str) -> list[str]:
     return list(dict.fromkeys(names))
 
 
+def policy_list(text: str) -> list[str]:
+    """Parse ``POLICY[,POLICY...]``, each a registered eviction policy or a
+    ``module:Class`` that loads (argparse type; the error names the policy)."""
+    from kvtier.policies import policy_class  # the policies need not load for other types
+
+    names = name_list(text)
+    for name in names:
+        try:
+            policy_class(name)
+        except (TypeError, ValueError) as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return names
+
+
 def known_name_list(text: str, known: Collection[str], what: str) -> list[str]:
     """``name_list``, each name one of ``known`` (argparse type helper; an
     unknown name is reported with ``what`` it should have been)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import random
 from collections.abc import Container
 
@@ -40,6 +41,17 @@ def test_unknown_policy_name_lists_known_ones() -> None:
     message = str(err.value)
     assert "'lfu'" in message
     assert "lru" in message and "arc" in message
+
+
+def test_policy_list_argument_names_the_policy_it_cannot_load() -> None:
+    from kvtier.argtypes import policy_list
+
+    assert policy_list("lru, default,lru,helpers.custom_policy:NewestFirstPolicy") == [
+        "lru", "default", "helpers.custom_policy:NewestFirstPolicy"]
+    for text, named in (("lru,lfu", "'lfu'"), ("lru,helpers.custom_policy:Missing", "Missing"),
+                        ("lru,", "empty name")):
+        with pytest.raises(argparse.ArgumentTypeError, match=named):
+            policy_list(text)
 
 
 @pytest.mark.parametrize(

@@ -473,6 +473,11 @@ def test_call_stalls_times_every_request_of_each_manager(
     ("bench_call_stalls", ["--requests", "0"], "--requests: must be >= 1, got 0"),
     ("bench_call_stalls", ["--capacity", "1000,x"], "--capacity: not an integer: 'x'"),
     ("bench_call_stalls", ["--kind", "chats"], "--kind: invalid choice: 'chats'"),
+    ("bench_policy_cost", ["--policies", "plfu,lfu"], "--policies: unknown eviction policy 'lfu'"),
+    ("bench_policy_cost", ["--policies", "nomodule:Cls"], "--policies: "),
+    ("bench_policy_cost", ["--capacity", "1000,x"], "--capacity: not an integer: 'x'"),
+    ("bench_policy_cost", ["--rounds", "0"], "--rounds: must be >= 1, got 0"),
+    ("generated_workloads", ["--policies", "lfu"], "--policies: unknown eviction policy 'lfu'"),
 ])
 def test_manager_benchmarks_name_bad_arguments(bench: str, args: list[str], message: str,
                                                capsys: pytest.CaptureFixture[str]) -> None:
