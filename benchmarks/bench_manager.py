@@ -9,9 +9,14 @@ finish), interleaved in one process so machine noise hits both alike. Request
 contexts, with every block's end-token position recorded as vLLM's scheduler
 does (``--no-positions`` leaves them out), are built before the clock starts,
 so the figure is manager seconds per offered key: median of ``--repeats``
-runs, and the ratio kvtier / vLLM.
+runs, and the ratio kvtier / vLLM. With ``--lockstep`` the two managers
+replay side by side instead, each request going to both in turn (the order
+alternating), each manager's calls timed alone: a change in the machine's
+speed between whole runs then falls on both alike
+(``bench_policy_cost.py --lockstep``).
 
-    python benchmarks/bench_manager.py [--policy lru,arc,default] [--repeats 3] [--json]
+    python benchmarks/bench_manager.py [--policy lru,arc,default] [--repeats 3]
+        [--lockstep] [--json]
 """
 
 from __future__ import annotations
@@ -123,6 +128,31 @@ def run_vllm(
     return (time.perf_counter() - start) / offered * 1e6, hits / offered
 
 
+def run_lockstep(
+    traces: list[list[bytes]], capacity: int, policy: str, theirs_policy: str,
+    threshold: int, positions: bool
+) -> tuple[tuple[float, float], tuple[float, float]]:
+    """Replay through both managers side by side, request by request; return
+    kvtier's and vLLM's (microseconds per offered key, hit ratio)."""
+    from vllm.v1.kv_offload.base import LookupResult
+
+    kmgr, kcontexts = kvtier_setup(traces, capacity, policy, threshold, positions)
+    vmgr, vcontexts, vtraces = vllm_setup(traces, capacity, theirs_policy, threshold, positions)
+    hit, clock = LookupResult.HIT, time.perf_counter
+    seconds, hits = [0.0, 0.0], [0, 0]
+    for i, keys in enumerate(traces):
+        for side in ((0, 1) if i % 2 == 0 else (1, 0)):
+            start = clock()
+            if side == 0:
+                hits[0] += kvtier_request(kmgr, kcontexts[i], keys)
+            else:
+                hits[1] += vllm_request(vmgr, vcontexts[i], vtraces[i], hit)
+            seconds[side] += clock() - start
+    offered = sum(map(len, traces))
+    ours, theirs = ((t / offered * 1e6, h / offered) for t, h in zip(seconds, hits, strict=True))
+    return ours, theirs
+
+
 VLLM_DEFAULT_POLICY = "lru"
 """vLLM's ``CPUOffloadingManager`` cache policy when none is configured."""
 
@@ -146,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--capacity", type=int_list, default="1000,4000,16000")
     parser.add_argument("--policy", type=policy_list, default="lru,arc")
     parser.add_argument("--store-threshold", type=int_list, default="1,2")
+    parser.add_argument("--lockstep", action="store_true",
+                        help="replay both managers side by side, request by request")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--no-positions", dest="positions", action="store_false")
     args = parser.parse_args(argv)
@@ -164,9 +196,15 @@ def main(argv: list[str] | None = None) -> int:
             for threshold in args.store_threshold:
                 ours, theirs = [], []
                 for _ in range(args.repeats):  # interleaved: noise hits both
-                    ours.append(run_kvtier(traces, capacity, policy, threshold, args.positions))
-                    theirs.append(run_vllm(traces, capacity, theirs_policy, threshold,
-                                           args.positions))
+                    if args.lockstep:
+                        k_run, v_run = run_lockstep(traces, capacity, policy, theirs_policy,
+                                                    threshold, args.positions)
+                    else:
+                        k_run = run_kvtier(traces, capacity, policy, threshold, args.positions)
+                        v_run = run_vllm(traces, capacity, theirs_policy, threshold,
+                                         args.positions)
+                    ours.append(k_run)
+                    theirs.append(v_run)
                 k_us = statistics.median(r[0] for r in ours)
                 v_us = statistics.median(r[0] for r in theirs)
                 row = {

@@ -442,6 +442,13 @@ def test_manager_cost_pairs_each_policy_with_vllms_own(
     lru = rows[0]
     assert lru["kvtier_hit_ratio"] == lru["vllm_hit_ratio"] > 0.3  # the same LRU, block for block
     assert all(r["kvtier_us_per_key"] > 0 and r["vllm_us_per_key"] > 0 for r in rows)
+    # side by side, request by request: the same work, so the same hits
+    assert bench.main(["--trace", str(trace), "--policy", "lru,default", "--capacity", "16",
+                       "--store-threshold", "1", "--repeats", "1", "--lockstep", "--json"]) == 0
+    side = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(r["kvtier_hit_ratio"], r["vllm_hit_ratio"]) for r in side] == [
+        (r["kvtier_hit_ratio"], r["vllm_hit_ratio"]) for r in rows]
+    assert all(r["kvtier_us_per_key"] > 0 and r["vllm_us_per_key"] > 0 for r in side)
 
 
 def _call_stalls() -> ModuleType:
