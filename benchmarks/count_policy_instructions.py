@@ -11,7 +11,9 @@ instruction); ``--l2-kib N`` also simulates the data caches (a 48 KiB,
 several times slower) and counts the data reads and writes that miss the
 L2, each of which waits on the next level. Together they tell whether a
 code change did less work and touched less memory; ``bench_policy_cost.py``
-tells what that costs in time. ``--keep DIR`` keeps each run's cachegrind
+tells what that costs in time. The count stops where the replay ends (the
+child leaves with ``os._exit``): freeing a policy's tables and the last
+collection at exit are not counted. ``--keep DIR`` keeps each run's cachegrind
 file there (``POLICY-CAPACITY.cg``), for ``cg_annotate`` to break the
 counts down by C function.
 
@@ -31,16 +33,27 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import NamedTuple
 
+from kvtier.argtypes import int_list, non_negative_int, policy_list, positive_int
 from kvtier.replay.trace import BUNDLED_TRACE
 
 BASELINE = "lru"
 LOAD_ONLY = "-"
-_RUN = ("import sys; from kvtier.replay.driver import replay, trace_keys; "
-        "from kvtier.replay.trace import load_trace; "
-        "requests = trace_keys(load_trace(sys.argv[1])); print(sum(map(len, requests))); "
-        "sys.argv[2] == '-' or replay(requests, int(sys.argv[3]), sys.argv[2])")
+_RUN = ("import os, sys; from kvtier.admission import DEFAULT_MAX_TRACKER_SIZE as T; "
+        "from kvtier.replay.driver import replay_manager, replay_request, request_contexts, "
+        "trace_keys; from kvtier.replay.trace import load_trace; "
+        "requests = trace_keys(load_trace(sys.argv[1])); "
+        "print(sum(map(len, requests)), flush=True); "
+        "mgr = None if sys.argv[2] == '-' else "
+        "replay_manager(int(sys.argv[3]), sys.argv[2], 1, T); "
+        "mgr is None or all(replay_request(mgr, k, ctx) >= 0 "
+        "for k, ctx in request_contexts(requests, None)); "
+        "os._exit(0)")
 """The child's program: one line, since cachegrind's file records the command
-line and ``cg_annotate`` reads only a one-line one."""
+line and ``cg_annotate`` reads only a one-line one. It ends with
+``os._exit`` while the manager is still referenced: a server's manager lives
+as long as the server, so freeing the policy's tables and the interpreter's
+last collection at exit (which grow with the policy's memory) are no part
+of its cost per key."""
 _REFS = re.compile(r"I\s+refs:\s+([\d,]+)")
 _L2_MISSES = re.compile(r"LLd\s+misses:\s+([\d,]+)")
 L1D = "49152,12,64"
@@ -98,13 +111,14 @@ def count(trace: Path, policy: str, capacity: int, l2_kib: int = 0,
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("trace", nargs="?", type=Path, default=BUNDLED_TRACE)
-    ap.add_argument("--policies", default="lru,plfu,default")
-    ap.add_argument("--capacity", default="1000,4000,16000")
-    ap.add_argument("--l2-kib", type=int, default=0,
+    ap.add_argument("--policies", type=policy_list, default="lru,plfu,default")
+    ap.add_argument("--capacity", type=int_list, default="1000,4000,16000")
+    ap.add_argument("--l2-kib", type=non_negative_int, default=0,
                     help="also simulate an L2 of this many KiB and count its misses")
     ap.add_argument("--keep", type=Path, metavar="DIR",
                     help="keep each run's cachegrind file in DIR (for cg_annotate)")
-    ap.add_argument("--jobs", type=int, default=2, help="valgrind runs at once (default 2)")
+    ap.add_argument("--jobs", type=positive_int, default=2,
+                    help="valgrind runs at once (default 2)")
     args = ap.parse_args(argv)
     if shutil.which("valgrind") is None:
         ap.error("valgrind is not installed")
@@ -117,10 +131,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.keep.exists() and not args.keep.is_dir():
             ap.error(f"--keep: {args.keep} exists and is not a directory")
         args.keep.mkdir(parents=True, exist_ok=True)
-    policies = list(dict.fromkeys([BASELINE, *args.policies.split(",")]))
-    capacities = [int(c) for c in args.capacity.split(",")]
+    policies = list(dict.fromkeys([BASELINE, *args.policies]))
+    capacities: list[int] = args.capacity
     cells = [(LOAD_ONLY, 0)] + [(p, c) for c in capacities for p in policies]
-    with ThreadPoolExecutor(max(1, args.jobs)) as pool:
+    with ThreadPoolExecutor(args.jobs) as pool:
         runs = pool.map(
             lambda cell: count(args.trace, cell[0], cell[1], args.l2_kib, args.keep), cells)
         counts = dict(zip(cells, runs, strict=True))

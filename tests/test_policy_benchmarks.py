@@ -226,6 +226,34 @@ def test_l2_size_must_be_a_power_of_two() -> None:
             counts.l2_geometry(bad)
 
 
+def test_instruction_count_child_replays_and_leaves_without_teardown(tmp_path: Path) -> None:
+    """The program valgrind runs prints the trace's keys, replays, and exits
+    0 through ``os._exit`` (no teardown counted), for a policy and load-only."""
+    counts = _load("count_policy_instructions")
+    trace = _loop_with_one_offs(tmp_path / "t.jsonl")
+    assert counts._RUN.count("\n") == 0 and counts._RUN.endswith("os._exit(0)")
+    for policy in ("default", counts.LOAD_ONLY):
+        done = subprocess.run([sys.executable, "-c", counts._RUN, str(trace), policy, "8"],
+                              capture_output=True, text=True, check=True)
+        assert done.stdout.split() == [str(200 * 7)]
+    bad = subprocess.run([sys.executable, "-c", counts._RUN, str(trace), "nope", "8"],
+                         capture_output=True, text=True)
+    assert bad.returncode != 0 and "nope" in bad.stderr  # a failed replay is not a count
+
+
+@pytest.mark.parametrize(("flag", "value", "named"), [
+    ("--policies", "lru,nope", "nope"), ("--capacity", "1000,0", "0"),
+    ("--jobs", "0", "0"), ("--l2-kib", "-1", "-1")])
+def test_instruction_count_refuses_bad_arguments(
+        flag: str, value: str, named: str, capsys: pytest.CaptureFixture[str]) -> None:
+    counts = _load("count_policy_instructions")
+    with pytest.raises(SystemExit) as exit_info:
+        counts.main([flag, value])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert flag in err and named in err
+
+
 @pytest.mark.skipif(shutil.which("valgrind") is None, reason="valgrind not installed")
 def test_instruction_count_of_a_replay_exceeds_loading_alone(tmp_path: Path) -> None:
     counts = _load("count_policy_instructions")
