@@ -11,7 +11,9 @@ un-aged count.
 
 from __future__ import annotations
 
+import gc
 import random
+from collections.abc import Callable
 
 import pytest
 from helpers.policy_contract import OPS, exercise, plfu_invariants
@@ -140,7 +142,7 @@ def test_negative_control_a_main_key_that_loses_its_count_is_caught(
     """A main key keeps a count of 1 through aging; a step that drops it is caught."""
     settle = plfu._settle_aged
     monkeypatch.setattr(plfu, "_settle_aged",
-                        lambda pairs, counts, main: settle(pairs, counts, {}))
+                        lambda keys, before, counts, main: settle(keys, before, counts, {}))
     # a short history: main keys whose count fell to 1 live to the next aging
     stepped, at_once = PLFUPolicy(200, history_factor=2), PLFUPolicy(200, history_factor=2)
     stepped.AGE_AT_ONCE = stepped.AGE_STEP = 1
@@ -161,6 +163,41 @@ def test_a_call_ages_a_bounded_number_of_entries() -> None:
             assert before - pol._aging_left <= pol.AGE_STEP + 4 * len(keys)
     assert stepped > 100
     assert pol._aging_left <= len(pol._aging) <= pol.history_limit
+
+
+def _collections_during(call: Callable[[], object]) -> int:
+    """Garbage collections of any generation that ``call`` sets off, with the
+    collector's default thresholds."""
+    threshold = gc.get_threshold()
+    gc.set_threshold(700, 10, 10)
+    try:
+        gc.collect()
+        before = sum(stats["collections"] for stats in gc.get_stats())
+        call()
+        return sum(stats["collections"] for stats in gc.get_stats()) - before
+    finally:
+        gc.set_threshold(*threshold)
+
+
+def test_an_aging_step_makes_no_object_per_entry() -> None:
+    """Thousands of counts moved in one step set off no garbage collection:
+    a step makes no (key, count) tuple per entry, which in a server's process
+    would start collections that walk everything young. The control lists
+    the same entries as tuples and does set collections off."""
+    pol = PLFUPolicy(2000)
+    pol.AGE_AT_ONCE, pol.AGE_STEP = 64, 16  # an aging that lasts, with most entries left
+    cache = _Cache(pol)
+    for keys in _workload(11, 20_000):
+        cache.store(keys)
+        pol.on_access(keys, ())
+        if pol._aging_left > 8_000:
+            break
+    left = pol._aging_left
+    assert left > 8_000
+    assert _collections_during(lambda: pol._age_some(left)) == 0
+    assert pol._aging_left == 0 and not pol._aging
+    control = dict.fromkeys((kvtier.block_key(i) for i in range(left)), 1)
+    assert _collections_during(lambda: list(control.items())) > 0
 
 
 def test_shadows_age_at_once() -> None:

@@ -9,7 +9,8 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from collections.abc import Container, Iterable, Iterator, Sequence
-from itertools import islice
+from itertools import compress, islice
+from operator import countOf, not_
 
 from kvtier.policies.base import EvictionPolicy
 from kvtier.policies.order import KeyOrder, take
@@ -21,30 +22,35 @@ _CLASSES = _COUNT_CAP.bit_length()
 _CLASS_OF = tuple(max(0, n.bit_length() - 1) for n in range(_COUNT_CAP + 1))
 """Count class of counts 0..COUNT_CAP: log2(count) rounded down."""
 _ABSENT = object()
+_ONE = 1
+"""Its bound methods compare (``__lt__``) and halve (``__rrshift__``) counts in ``map``."""
 
 
-def _settle_aged(pairs: list[tuple[bytes, int]], counts: dict[bytes, int],
+def _settle_aged(keys: list[bytes], before: list[int], counts: dict[bytes, int],
                  main: dict[bytes, int]) -> tuple[int, int]:
-    """Write into ``counts`` what one halving leaves of each (key, count before
-    it) pair whose key ``counts`` has not got: half the count, or 1 for a key
-    of ``main`` (a main key keeps a count), or nothing. Return how many pairs
-    had a count above 1, and how many written counts are above 1.
+    """Write into ``counts`` what one halving leaves of each key of ``keys``
+    (``before``: their counts before it, in the same order) that ``counts``
+    has not got: half the count, or 1 for a key of ``main`` (a main key keeps
+    a count), or nothing. Return how many of the counts before were above 1,
+    and how many written counts are above 1.
 
     A key that ``counts`` has got was read or written since the aging started,
     so its entry there is already what the aging left (``PLFUPolicy._age``).
+    No object is made per key (``compress`` and ``map`` over the two lists,
+    set operations): a (key, count) tuple per entry, thousands a step, would
+    set off garbage collections in the caller's process (a server's).
     """
-    above = [(key, c >> 1) for key, c in pairs if c > 1]
-    multi = 0
-    for key, c in above:
-        if key not in counts:
-            counts[key] = c
-            if c > 1:
-                multi += 1
-    # most pairs have a count of 1 and are dropped: find the main keys among them at C speed
-    for key in main.keys() & [key for key, c in pairs if c == 1]:
-        if key not in counts:
-            counts[key] = 1
-    return len(above), multi
+    above = list(map(_ONE.__lt__, before))
+    halves = dict(zip(compress(keys, above), map(_ONE.__rrshift__, compress(before, above)),
+                      strict=True))
+    n_above = len(halves)
+    for key in halves.keys() & counts.keys():  # iterates the smaller of the two
+        del halves[key]
+    counts.update(halves)
+    # most keys have a count of 1 and are dropped: only the main keys among them stay
+    ones = main.keys() & compress(keys, map(not_, above))
+    counts.update(dict.fromkeys(ones.difference(counts), 1))
+    return n_above, len(halves) - countOf(halves.values(), 1)
 
 
 class PLFUPolicy(EvictionPolicy):
@@ -163,10 +169,11 @@ class PLFUPolicy(EvictionPolicy):
         self._fresh: set[bytes] = set()
         self._multi = 0  # at least the number of _counts entries above 1
         # An aging in steps (_age): the counts before it, read AGE_STEP a call
-        # through _aging_items into _counts, how many are left to read, and at
-        # least how many of those are above 1.
+        # into _counts through two iterators in step (its keys, its counts),
+        # how many are left to read, and at least how many of those are above 1.
         self._aging: dict[bytes, int] = {}
-        self._aging_items: Iterator[tuple[bytes, int]] = iter(())
+        self._aging_keys: Iterator[bytes] = iter(())
+        self._aging_counts: Iterator[int] = iter(())
         self._aging_left = 0
         self._aging_multi = 0
         self._window = KeyOrder()
@@ -194,7 +201,7 @@ class PLFUPolicy(EvictionPolicy):
     def history(self) -> dict[bytes, int]:
         """Key -> number of requests that used it (a copy, built on each call)."""
         history = dict(self._counts)
-        _settle_aged(list(self._aging.items()), history, self._recent)
+        _settle_aged(list(self._aging), list(self._aging.values()), history, self._recent)
         fresh = self._fresh
         for key in self._window:
             if key not in fresh:
@@ -501,30 +508,33 @@ class PLFUPolicy(EvictionPolicy):
             if c is not None:
                 counts[key] = c >> 1 if c > 1 else 1
         self._counts, self._aging = counts, old
-        self._aging_items, self._aging_left = iter(old.items()), len(old)
+        self._aging_keys, self._aging_counts = iter(old), iter(old.values())
+        self._aging_left = len(old)
         self._aging_multi, self._multi = self._multi, sum(1 for c in counts.values() if c > 1)
 
     def _age_keys(self, keys: Iterable[bytes]) -> None:
         """Move the counts of ``keys`` out of the aging in progress."""
         old = self._aging
-        pairs = [(key, c) for key in keys if (c := old.get(key)) is not None]
-        self._multi += _settle_aged(pairs, self._counts, self._recent)[1]
+        found = list(filter(old.__contains__, keys))
+        before = list(map(old.__getitem__, found))
+        self._multi += _settle_aged(found, before, self._counts, self._recent)[1]
 
     def _age_some(self, n: int) -> None:
         """Move ``n`` more counts out of the aging in progress (all when ``n``
         is at least what is left); forget the aging once none is left.
 
-        ``_aging`` is read through one iterator and never changed, so that a
-        step takes its entries at C speed; it is let go, its keys with it, at
-        the end.
+        ``_aging`` is read through two iterators (its keys, its counts) and
+        never changed, so that a step takes its entries at C speed and makes
+        no object per entry; it is let go, its keys with it, at the end.
         """
-        pairs = list(islice(self._aging_items, n))
-        above, multi = _settle_aged(pairs, self._counts, self._recent)
+        keys = list(islice(self._aging_keys, n))
+        before = list(islice(self._aging_counts, n))
+        above, multi = _settle_aged(keys, before, self._counts, self._recent)
         self._multi += multi
         self._aging_multi -= above
-        self._aging_left -= len(pairs)
+        self._aging_left -= len(keys)
         if self._aging_left <= 0:
-            self._aging, self._aging_items = {}, iter(())
+            self._aging, self._aging_keys, self._aging_counts = {}, iter(()), iter(())
             self._aging_left = self._aging_multi = 0
 
     def _finish_aging(self) -> None:
