@@ -24,7 +24,8 @@ import zlib
 from collections.abc import Container, Sequence
 from typing import Any
 
-from kvtier.policies.adaptive import AdaptivePolicy, _Shadow
+from kvtier.policies.adaptive import AdaptivePolicy
+from kvtier.policies.shadows import PLFUShadow, Shadow
 
 _ABSENT = object()
 
@@ -189,8 +190,8 @@ class WarmStart(AdaptivePolicy):
         rate = min(1.0, self.rate * self.WARM_FACTOR)
         self._warm_threshold = int(rate * (1 << 32))
         self._warm_capacity = max(self.MIN_SHADOW, round(self.capacity * rate))
-        self.warm = [_Shadow(self._warm_capacity, f, admission)
-                     for f, admission in self.CANDIDATES]
+        self.warm: list[Shadow] = [PLFUShadow(self._warm_capacity, f, admission)
+                                   for f, admission in self.CANDIDATES]
         self._warm_sampled = self._warm_epochs = 0
 
     def on_demand_access(self, keys: Sequence[bytes], reused: Container[bytes],

@@ -13,7 +13,8 @@ ENGINE_LABELS = ("engine", "model_name")
 
 MEAN_GAUGES = frozenset({
     "vllm:kvtier_usage_ratio", "vllm:kvtier_policy_history_factor",
-    "vllm:kvtier_policy_admission", "vllm:kvtier_tier_available",
+    "vllm:kvtier_policy_admission", "vllm:kvtier_policy_recency",
+    "vllm:kvtier_tier_available",
 })
 """kvtier's gauges that are a ratio, a setting or a 0/1 switch of one engine, not
 an amount: a data-parallel server's engines (``engine="0"``, ``"1"``...) merge

@@ -345,7 +345,7 @@ def test_start_variants_begin_as_they_say() -> None:
 def test_the_warm_start_decides_from_its_denser_shadows_then_drops_them() -> None:
     variants = _load("policy_variants")
     pol = variants.WarmStart(1024)
-    assert len(pol.warm) == len(pol.shadows) and pol._warm_capacity > 4 * pol._shadow_capacity
+    assert len(pol.warm) == len(pol.CANDIDATES) and pol._warm_capacity > 4 * pol._shadow_capacity
     for s in pol.shadows:  # a clear lead for admission among the regular shadows...
         s.hits, s.spread = (100, 1.0) if s.admission else (0, 1.0)
     pol._decide()

@@ -97,6 +97,13 @@ class PLFUPolicy(EvictionPolicy):
     before heads and leaves no orphaned tails. No parameter depends on the
     trace.
 
+    In recency mode (``recency``, which the default policy sets while its LRU
+    shadow leads) the cache runs as LRU: a used block moves to the window's
+    most recent end (a main block is demoted there), none is promoted, and
+    victims come from the main segment first, least recent first, then from
+    the window's oldest. The history still counts blocks that are not
+    resident; a resident block's count restarts at 1.
+
     Memory: every new block enters the window, so it is the compact list (a
     :class:`~kvtier.policies.order.KeyOrder`, one dict entry per key), and a
     window key that one request used has a count of 1 that is implied, not
@@ -191,6 +198,7 @@ class PLFUPolicy(EvictionPolicy):
         self.target = self.capacity * self.START_WINDOW
         self.lfu_share = 0.5
         self._carry = 0.0
+        self.recency = False
 
     # -- introspection -------------------------------------------------------
 
@@ -365,7 +373,11 @@ class PLFUPolicy(EvictionPolicy):
             recent[key] = base
 
     def on_access(self, keys: Sequence[bytes], reused: Container[bytes]) -> None:
-        self._apply_access(keys, self._access_starts(keys))
+        first_new = self._access_starts(keys)
+        if self.recency:
+            self._apply_recency(keys)
+        else:
+            self._apply_access(keys, first_new)
 
     def _access_starts(self, keys: Sequence[bytes]) -> int:
         """What an access of ``keys`` needs first: their counts out of any aging
@@ -444,12 +456,64 @@ class PLFUPolicy(EvictionPolicy):
         self._multi += multi
         if promoted:
             window.discard_many(promoted)
-        size = len(counts) + len(window) - len(fresh)  # _history_size(), inline
+        self._check_history(len(keys))
+
+    def _apply_recency(self, keys: Sequence[bytes]) -> None:
+        """``on_access`` in recency mode (``recency``), once ``_access_starts(keys)``
+        has run: the resident keys move to the window's most recent end, tail
+        first, as LRU moves them; a main key used now leaves the main segment
+        for the window (demoted), and no key is promoted.
+
+        Each resident key the access leaves in the window has the implied
+        count of 1 of a window key one request used (a stored count it had
+        is dropped), so that PLFU's rules hold when the mode ends: a block
+        proven before it earns the main segment again at its next use. Keys
+        not resident are counted in the history as in PLFU.
+        """
+        counts, fresh, window, recent = self._counts, self._fresh, self._window, self._recent
+        demoted = [key for key in keys if key in recent]
+        for key in demoted:
+            self._drop_main(key)
+        if demoted:
+            window.add_many(demoted)
+        get, drop = counts.get, counts.pop
+        for key in keys:
+            if key in fresh:
+                fresh.discard(key)
+                drop(key, None)
+            elif key in window:
+                drop(key, None)  # only a demoted key has one
+            else:
+                counts[key] = get(key, 0) + 1
+        window.move_present(reversed(keys))
+        self._check_history(len(keys))
+
+    def _check_history(self, n_keys: int) -> None:
+        """After an access of ``n_keys`` keys: move the next step of an aging in
+        progress, and age the history if it passed its limit."""
+        size = self._history_size()
         if self._aging:
-            self._age_some(self.AGE_STEP + 4 * len(keys))
+            self._age_some(self.AGE_STEP + 4 * n_keys)
             size = self._history_size()
         if size > self.history_limit:
             self._age()
+
+    def _evict_recency(self, n: int, protected: Container[bytes]) -> list[bytes] | None:
+        """``evict`` in recency mode: the main segment's keys first, least
+        recent first (none was used since the mode began, or it would have
+        left it), then the window's oldest; atomic like ``evict``."""
+        if n > len(self):
+            return None
+        by_lru = self._take(iter(self._recent), n, protected, ()) if self._recent else []
+        from_window: list[bytes] = []
+        if len(by_lru) < n:
+            taken = self._window.take_oldest(n - len(by_lru), self.blocked, protected)
+            if taken is None:
+                return None
+            from_window = taken
+            self._left_window(from_window)
+        self._retire(from_window, [], by_lru)
+        return by_lru + from_window
 
     def _age(self) -> None:
         """Halve every count, dropping zeros, until the history is half its limit.
@@ -545,6 +609,8 @@ class PLFUPolicy(EvictionPolicy):
     def evict(self, n: int, protected: Container[bytes]) -> list[bytes] | None:
         if n <= 0:
             return []
+        if self.recency:
+            return self._evict_recency(n, protected)
         window = self._window
         if len(window) - self.target >= n:  # the common case: the window alone pays
             out = window.take_oldest(n, self.blocked, protected)

@@ -108,6 +108,8 @@ POLICY_GAUGES = {
                              "the capacity.",
     "policy_admission": "1 while the adaptive policy declines new blocks the history "
                         "does not know (admission on), else 0.",
+    "policy_recency": "1 while the adaptive policy runs the cache as LRU (its LRU shadow "
+                      "led), else 0.",
 }
 """Gauges of the eviction policy, reported when the policy has them."""
 

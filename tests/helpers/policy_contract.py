@@ -173,6 +173,8 @@ def plfu_invariants(pol: EvictionPolicy, resident: set[bytes]) -> None:
     assert all(sizes[name] <= bounds[name] for name in sizes), (sizes, bounds)
     assert 0.0 <= pol.target <= pol.capacity
     assert pol.MIN_SHARE <= pol.lfu_share <= 1 - pol.MIN_SHARE
+    # a window key one request used has an implied count of 1, never a stored one
+    assert [key for key in pol._window if key not in pol._fresh and key in pol._counts] == []
 
 
 OPS = st.lists(st.tuples(st.integers(0, OPERATIONS - 1), st.lists(
