@@ -476,17 +476,30 @@ class PLFUPolicy(EvictionPolicy):
             self._drop_main(key)
         if demoted:
             window.add_many(demoted)
-        get, drop = counts.get, counts.pop
+        get, forget = counts.get, self._forget_count
+        multi = 0  # counts that reach 2 (self._multi)
         for key in keys:
             if key in fresh:
                 fresh.discard(key)
-                drop(key, None)
+                forget(key)
             elif key in window:
-                drop(key, None)  # only a demoted key has one
+                forget(key)  # only a demoted key has one
             else:
-                counts[key] = get(key, 0) + 1
+                count = counts[key] = get(key, 0) + 1
+                if count == 2:
+                    multi += 1
+        self._multi += multi
         window.move_present(reversed(keys))
         self._check_history(len(keys))
+
+    def _forget_count(self, key: bytes) -> None:
+        """Drop ``key``'s stored count, also the one an aging in progress would
+        still move to it (the aging's entries are read, never deleted: a count
+        of 0 leaves nothing)."""
+        self._counts.pop(key, None)
+        aging = self._aging
+        if aging and key in aging:
+            aging[key] = 0
 
     def _check_history(self, n_keys: int) -> None:
         """After an access of ``n_keys`` keys: move the next step of an aging in

@@ -175,6 +175,7 @@ def plfu_invariants(pol: EvictionPolicy, resident: set[bytes]) -> None:
     assert pol.MIN_SHARE <= pol.lfu_share <= 1 - pol.MIN_SHARE
     # a window key one request used has an implied count of 1, never a stored one
     assert [key for key in pol._window if key not in pol._fresh and key in pol._counts] == []
+    assert pol._multi >= sum(1 for c in pol._counts.values() if c > 1)  # its bound
 
 
 OPS = st.lists(st.tuples(st.integers(0, OPERATIONS - 1), st.lists(
