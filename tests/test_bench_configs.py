@@ -90,14 +90,15 @@ def test_a_run_records_the_policy_gauges_and_loads_back(tmp_path: Path) -> None:
                ("vllm:external_prefix_cache_hits_total", ()): 25.0,
                ("vllm:kvtier_stores_skipped_total", ()): 7.0,
                ("vllm:kvtier_policy_admission", ()): 1.0,
+               ("vllm:kvtier_policy_recency", ()): 1.0,
                ("vllm:kvtier_policy_switches_total", ()): 2.0,
                ("vllm:kvtier_dropped_writes_total", ()): 5.0,
                ("vllm:kvtier_promotions_deferred_total", ()): 3.0}
     run = _result("default", Scenario("generated", "paced", 1000), 0, {"completed": 3},
                   samples, 1.5)
-    assert (run.hit_ratio, run.stores_skipped, run.policy_admission,
+    assert (run.hit_ratio, run.stores_skipped, run.policy_admission, run.policy_recency,
             run.policy_switches, run.dropped_writes,
-            run.promotions_deferred) == (0.25, 7.0, 1.0, 2.0, 5.0, 3.0)
+            run.promotions_deferred) == (0.25, 7.0, 1.0, 1.0, 2.0, 5.0, 3.0)
     path = tmp_path / "runs.jsonl"
     old = '{"config": "vllm-lru", "traffic": "bundled", "regime": "paced", "cpu_blocks": 1000, ' \
           '"repeat": 0, "completed": 1, "failed": 0, "throughput": 1.0, "ttft_mean_ms": 1.0, ' \

@@ -147,6 +147,8 @@ class RunResult:
     """kvtier's store candidates declined (its admission; 0 for vLLM's manager)."""
     policy_admission: float = 0.0
     """The adaptive policy's admission gauge at the end of the run (1: on)."""
+    policy_recency: float = 0.0
+    """The adaptive policy's recency gauge at the end of the run (1: running as LRU)."""
     policy_switches: float = 0.0
     """Configuration changes of the adaptive policy during the run."""
     dropped_writes: float = 0.0
@@ -348,6 +350,7 @@ def _result(config: str, scenario: Scenario, repeat: int, client: dict[str, Any]
         seconds=seconds,
         stores_skipped=prom.value(samples, "vllm:kvtier_stores_skipped_total"),
         policy_admission=prom.value(samples, "vllm:kvtier_policy_admission"),
+        policy_recency=prom.value(samples, "vllm:kvtier_policy_recency"),
         policy_switches=prom.value(samples, "vllm:kvtier_policy_switches_total"),
         dropped_writes=prom.value(samples, "vllm:kvtier_dropped_writes_total"),
         promotions_deferred=prom.value(samples, "vllm:kvtier_promotions_deferred_total"))
