@@ -470,25 +470,24 @@ class PLFUPolicy(EvictionPolicy):
         proven before it earns the main segment again at its next use. Keys
         not resident are counted in the history as in PLFU.
         """
-        counts, fresh, window, recent = self._counts, self._fresh, self._window, self._recent
-        demoted = [key for key in keys if key in recent]
-        for key in demoted:
-            self._drop_main(key)
-        if demoted:
+        counts, window, recent = self._counts, self._window, self._recent
+        if recent:
+            demoted = [key for key in keys if key in recent]
+            for key in demoted:
+                self._drop_main(key)
             window.add_many(demoted)
-        get, forget = counts.get, self._forget_count
-        multi = 0  # counts that reach 2 (self._multi)
-        for key in keys:
-            if key in fresh:
-                fresh.discard(key)
-                forget(key)
-            elif key in window:
-                forget(key)  # only a demoted key has one
-            else:
-                count = counts[key] = get(key, 0) + 1
-                if count == 2:
-                    multi += 1
-        self._multi += multi
+        held = window.present(keys)  # set operations: at C speed, as LRU's access
+        self._fresh.difference_update(held)
+        for key in counts.keys() & held:  # a fresh key stored again, or a demoted one
+            self._forget_count(key)
+        if len(held) < len(keys):
+            get, multi = counts.get, 0  # multi: counts that reach 2 (self._multi)
+            for key in keys:
+                if key not in held:
+                    count = counts[key] = get(key, 0) + 1
+                    if count == 2:
+                        multi += 1
+            self._multi += multi
         window.move_present(reversed(keys))
         self._check_history(len(keys))
 
