@@ -5,6 +5,7 @@ kvtier.policies.adaptive)."""
 from __future__ import annotations
 
 import random
+from collections.abc import Container, Sequence
 
 import pytest
 from helpers.policy_contract import exercise, plfu_invariants, random_ops
@@ -16,7 +17,7 @@ import kvtier
 from kvtier import OffloadManager
 from kvtier.admission import DEFAULT_MAX_TRACKER_SIZE
 from kvtier.policies import AdaptivePolicy
-from kvtier.policies.shadows import LRUShadow
+from kvtier.policies.shadows import LRUShadow, Shadow
 from kvtier.replay.driver import replay, replay_manager, replay_request, request_context, trace_keys
 from kvtier.replay.generate import generate
 from kvtier.replay.trace import BUNDLED_TRACE, load_trace
@@ -37,14 +38,15 @@ class _LRUFromTheStart(AdaptivePolicy):
         super()._init_adaptive()
         self.configure(self.START[0], False, recency=True)
 
-    def _follow_best(self, shadows: list) -> None:
+    def _follow_best(self, shadows: list[Shadow]) -> None:
         return None
 
 
 class _Toggling(AdaptivePolicy):
     """The default switching between PLFU and recency mode every few requests."""
 
-    def on_demand_access(self, keys, reused, asked_from):  # type: ignore[no-untyped-def]
+    def on_demand_access(self, keys: Sequence[bytes], reused: Container[bytes],
+                         asked_from: int) -> None:
         super().on_demand_access(keys, reused, asked_from)
         self._calls = getattr(self, "_calls", 0) + 1
         if self._calls % 3 == 0:
