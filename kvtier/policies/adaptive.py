@@ -205,11 +205,8 @@ class AdaptivePolicy(PLFUPolicy):
         bounds["history"] = bounds["history_aging"] = max(self.FACTORS) * self.capacity + batch
         total = {"shadow_resident": 0, "shadow_history": 0, "shadow_ghosts": 0}
         for s in self.shadows:
-            total["shadow_resident"] += s.capacity
-            if isinstance(s, PLFUShadow):
-                inner = s.policy.size_bounds(batch)
-                total["shadow_history"] += max(self.FACTORS) * s.capacity + batch
-                total["shadow_ghosts"] += inner["ghost_window"] + inner["ghost_main"]
+            for part, n in s.size_bounds(batch, max(self.FACTORS)).items():
+                total["shadow_" + part] += n
         bounds.update(total)
         bounds["shadow_pending"] = self._shadow_capacity + batch
         bounds["turn_ends"] = self.turns.limit
@@ -261,14 +258,11 @@ class AdaptivePolicy(PLFUPolicy):
     def on_demand_access(self, keys: Sequence[bytes], reused: Container[bytes],
                          asked_from: int) -> None:
         first_new = self._access_starts(keys)
-        turn = self.turns.continues(keys, first_new, asked_from)
+        turn = not self.recency and self.turns.continues(keys, first_new, asked_from)
         self.turns.ended(keys)
-        if self.recency:
-            self._apply_recency(keys)
-        else:
-            self._apply_access(keys, first_new)
-            if turn:
-                self.enter_main(keys[first_new:])
+        self._apply(keys, first_new)
+        if turn:  # recency mode promotes nothing
+            self.enter_main(keys[first_new:])
         if asked_from:  # the sampled keys a cache in front served, then the others
             served = self.sampled(keys[:asked_from])
             sampled = served + self.sampled(keys[asked_from:])
@@ -314,10 +308,8 @@ class AdaptivePolicy(PLFUPolicy):
         self._end_epoch(self.shadows)
         if self._epochs < self.RECENCY_AFTER:
             self._epochs += 1
-        if self.recency or self._epochs >= self.RECENCY_AFTER:
-            self._follow_best(self.shadows)
-        else:  # the LRU candidate, last, is not followed yet
-            self._follow_best(self.shadows[:-1])
+        ready = self.recency or self._epochs >= self.RECENCY_AFTER
+        self._follow_best(self.shadows if ready else self.shadows[:-1])  # LRU's is last
 
     def _end_epoch(self, shadows: list[Shadow]) -> None:
         """Fold each shadow's hits of the epoch into its decayed score."""

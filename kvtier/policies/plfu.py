@@ -373,7 +373,11 @@ class PLFUPolicy(EvictionPolicy):
             recent[key] = base
 
     def on_access(self, keys: Sequence[bytes], reused: Container[bytes]) -> None:
-        first_new = self._access_starts(keys)
+        self._apply(keys, self._access_starts(keys))
+
+    def _apply(self, keys: Sequence[bytes], first_new: int) -> None:
+        """Apply an access of ``keys`` in the cache's mode (``recency`` or not),
+        ``first_new`` being what ``_access_starts(keys)`` returned."""
         if self.recency:
             self._apply_recency(keys)
         else:

@@ -70,6 +70,12 @@ class Shadow:
         """Entries of its structures: ``resident``, ``history`` and ``ghosts``."""
         raise NotImplementedError
 
+    def size_bounds(self, batch: int, history_factor: int) -> dict[str, int]:
+        """Upper bound of each ``sizes()`` entry while no request brings more
+        than ``batch`` keys and no history is longer than ``history_factor``
+        times the capacity."""
+        raise NotImplementedError
+
 
 class PLFUShadow(Shadow):
     """A miniature PLFU over the sampled keys: one candidate configuration.
@@ -123,6 +129,11 @@ class PLFUShadow(Shadow):
         return {"resident": inner["window"] + inner["main"], "history": inner["history"],
                 "ghosts": inner["ghost_window"] + inner["ghost_main"]}
 
+    def size_bounds(self, batch: int, history_factor: int) -> dict[str, int]:
+        inner = self.policy.size_bounds(batch)
+        return {"resident": self.capacity, "history": history_factor * self.capacity + batch,
+                "ghosts": inner["ghost_window"] + inner["ghost_main"]}
+
 
 class LRUShadow(Shadow):
     """A miniature LRU over the sampled keys: the candidate that runs the real
@@ -161,6 +172,9 @@ class LRUShadow(Shadow):
         for key in reversed(keys):
             if key in resident:
                 to_end(key)
+
+    def size_bounds(self, batch: int, history_factor: int) -> dict[str, int]:
+        return {"resident": self.capacity, "history": 0, "ghosts": 0}
 
     def sizes(self) -> dict[str, int]:  # no history, no ghosts
         return {"resident": len(self.resident), "history": 0, "ghosts": 0}
