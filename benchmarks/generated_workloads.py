@@ -14,7 +14,8 @@ below the better of LRU and ARC. Seeds the policy was never looked at under
 
     python benchmarks/generated_workloads.py [--kinds chat,rag,...] [--seeds 1,2,3]
         [--capacity 1000,4000,16000] [--policies default] [--requests 10000]
-        [--key-seeds 0] [--floor 0.98] [--large 16000] [--json] [--check]
+        [--key-seeds 0] [--gpu-blocks N [--gpu-batch-tokens T]]
+        [--floor 0.98] [--large 16000] [--json] [--check]
 
 ``--seeds`` and ``--key-seeds`` take lists and ranges (``41-44``).
 ``--key-seeds 0-3`` replays each workload also under other block hashes
@@ -23,6 +24,16 @@ default's shadows sample blocks by hash, so each replay is one draw of that
 sample (docs/policy.md, "One replay is one draw"). The table then also gives,
 per (kind, capacity, policy), the median over every seed and key seed and
 how many of those draws miss.
+
+``--gpu-blocks N`` replays the engine view instead (``kvtier replay
+--gpu-blocks N``): each workload served as the serving benchmark serves it,
+through a model of vLLM's prefix cache of ``N`` blocks in front of kvtier,
+with ``--gpu-batch-tokens T`` its scheduler over a queue that never runs
+dry; a cell's hit ratio is then the CPU tier's (kvtier's hit tokens over
+the tokens it was asked for), against LRU's and ARC's behind the same
+engine. ``--requests 1000`` gives the view a 1,000-request serving
+benchmark run measures (the requests a generator makes first do not depend
+on how many it makes, but for ``rag``'s document count).
 
 ``--check`` exits with status 1 when any cell misses.
 """
@@ -33,14 +44,17 @@ import argparse
 import json
 import statistics
 import sys
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 from kvtier.argtypes import int_list, known_name_list, policy_list, positive_int, seed_list
 from kvtier.policies import policy_class
 from kvtier.progress import make_progress
+from kvtier.replay.behind_engine import check_fits, replay_behind_engine, served_requests
 from kvtier.replay.driver import replay, trace_keys
 from kvtier.replay.generate import KINDS, generate
 from kvtier.replay.rekey import rekeyed
+from kvtier.replay.trace import TraceRequest
 
 BASELINES = ("lru", "arc")
 LARGE_SLACK = 0.01
@@ -59,6 +73,8 @@ class Cell:
     lru: float
     arc: float
     key_seed: int = 0
+    gpu_blocks: int = 0
+    """The engine cache in front (0: kvtier alone)."""
 
     @property
     def vs_lru(self) -> float:
@@ -75,11 +91,43 @@ class Cell:
         return self.vs_lru < floor or (self.capacity >= large and self.margin < -LARGE_SLACK)
 
 
+@dataclass(frozen=True)
+class View:
+    """Where the workloads are replayed: kvtier alone (``gpu_blocks`` 0), or
+    behind an engine cache of ``gpu_blocks`` blocks (``batch_tokens``: its
+    scheduler's budget per step over a saturated queue; None: one request
+    at a time)."""
+
+    gpu_blocks: int = 0
+    batch_tokens: int | None = None
+
+    def replayer(self, workload: Sequence[TraceRequest]) -> Callable[[int, str], float]:
+        """A function (capacity, policy) -> hit ratio on ``workload`` in this
+        view; ``ValueError`` when the engine cannot hold one of its requests."""
+        if not self.gpu_blocks:
+            keys = trace_keys(workload)
+            return lambda capacity, policy: replay(keys, capacity, policy).hit_ratio
+        served = served_requests(workload)
+        check_fits(served, self.gpu_blocks)
+        return lambda capacity, policy: replay_behind_engine(
+            served, capacity, policy, gpu_blocks=self.gpu_blocks,
+            batch_tokens=self.batch_tokens).hit_ratio
+
+    def describe(self) -> str:
+        if not self.gpu_blocks:
+            return "kvtier alone"
+        engine = (f"vLLM's scheduler at {self.batch_tokens} tokens a step"
+                  if self.batch_tokens else "one request at a time")
+        return (f"behind a {self.gpu_blocks}-block engine cache ({engine}; "
+                "the CPU tier's hit ratio)")
+
+
 def measure(kinds: list[str], seeds: list[int], capacities: list[int], policies: list[str],
-            requests: int, key_seeds: tuple[int, ...] = (0,)) -> list[Cell]:
-    """Every (kind, seed, key seed, capacity, policy) cell, baselines replayed
-    once per workload and key seed (a policy whose choices read no key bytes,
-    LRU and ARC, once per workload: ``EvictionPolicy.reads_key_bytes``)."""
+            requests: int, key_seeds: tuple[int, ...] = (0,),
+            view: View = View()) -> list[Cell]:
+    """Every (kind, seed, key seed, capacity, policy) cell in ``view``, baselines
+    replayed once per workload and key seed (a policy whose choices read no key
+    bytes, LRU and ARC, once per workload: ``EvictionPolicy.reads_key_bytes``)."""
     runs = [*BASELINES, *(p for p in policies if p not in BASELINES)]
     cells: list[Cell] = []
     bar = make_progress(len(kinds) * len(seeds) * len(key_seeds) * len(capacities) * len(runs),
@@ -90,7 +138,8 @@ def measure(kinds: list[str], seeds: list[int], capacities: list[int], policies:
                 workload = generate(kind, seed, requests)
                 same: dict[tuple[str, int], float] = {}  # under every key seed
                 for key_seed in key_seeds:
-                    keys = trace_keys(rekeyed(workload, key_seed) if key_seed else workload)
+                    hit_ratio = view.replayer(rekeyed(workload, key_seed) if key_seed
+                                              else workload)
                     for capacity in capacities:
                         ratios: dict[str, float] = {}
                         for policy in runs:
@@ -98,12 +147,13 @@ def measure(kinds: list[str], seeds: list[int], capacities: list[int], policies:
                             if (policy, capacity) in same:
                                 ratios[policy] = same[policy, capacity]
                             else:
-                                ratios[policy] = replay(keys, capacity, policy).hit_ratio
+                                ratios[policy] = hit_ratio(capacity, policy)
                                 if not policy_class(policy).reads_key_bytes:
                                     same[policy, capacity] = ratios[policy]
                             bar.update(1)
                         cells += [Cell(kind, seed, capacity, p, ratios[p], ratios["lru"],
-                                       ratios["arc"], key_seed) for p in policies]
+                                       ratios["arc"], key_seed, view.gpu_blocks)
+                                  for p in policies]
     finally:
         bar.close()
     return cells
@@ -143,13 +193,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--policies", type=policy_list, default=["default"])
     ap.add_argument("--requests", type=positive_int, default=10_000)
     ap.add_argument("--key-seeds", type=seed_list, default=[0])
+    ap.add_argument("--gpu-blocks", type=positive_int, default=None, metavar="N",
+                    help="replay behind a model of vLLM's prefix cache of N blocks "
+                    "(kvtier replay --gpu-blocks); cells are the CPU tier's hit ratios")
+    ap.add_argument("--gpu-batch-tokens", type=positive_int, default=None, metavar="T",
+                    help="with --gpu-blocks: vLLM's scheduler with T tokens a step over "
+                    "a queue that never runs dry (default: one request at a time)")
     ap.add_argument("--floor", type=float, default=0.98)
     ap.add_argument("--large", type=positive_int, default=16_000)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--check", action="store_true")
     args = ap.parse_args(argv)
-    cells = measure(args.kinds, args.seeds, args.capacity, args.policies, args.requests,
-                    tuple(args.key_seeds))
+    if args.gpu_batch_tokens is not None and args.gpu_blocks is None:
+        ap.error("--gpu-batch-tokens needs --gpu-blocks")
+    view = View(args.gpu_blocks or 0, args.gpu_batch_tokens)
+    try:
+        cells = measure(args.kinds, args.seeds, args.capacity, args.policies, args.requests,
+                        tuple(args.key_seeds), view)
+    except ValueError as exc:  # an engine too small for a request, named by check_fits
+        ap.error(str(exc))
     misses = [c for c in cells if c.missed(args.floor, args.large)]
     if args.json:
         rows = [{**asdict(c), "vs_lru": c.vs_lru, "margin": c.margin,
@@ -157,14 +219,15 @@ def main(argv: list[str] | None = None) -> int:
         json.dump(rows, sys.stdout, indent=1)
         print()
     else:
-        print_table(cells, misses, args)
+        print_table(cells, misses, args, view)
     return 1 if args.check and misses else 0
 
 
-def print_table(cells: list[Cell], misses: list[Cell], args: argparse.Namespace) -> None:
+def print_table(cells: list[Cell], misses: list[Cell], args: argparse.Namespace,
+                view: View) -> None:
     """The worst draw of each (kind, capacity, policy), then every miss."""
     several = len(args.key_seeds) > 1
-    print(f"worst of seeds {','.join(map(str, args.seeds))}"
+    print(f"{view.describe()}: worst of seeds {','.join(map(str, args.seeds))}"
           + (f" x key seeds {','.join(map(str, args.key_seeds))}" if several else "")
           + f" ({args.requests} requests each); a miss: below {args.floor} x LRU, "
           f"or from {args.large} blocks more than {LARGE_SLACK} below max(LRU, ARC)")

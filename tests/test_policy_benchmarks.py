@@ -20,6 +20,7 @@ from helpers.policy_contract import exercise, random_ops
 
 from kvtier import OffloadManager, RequestContext, block_key
 from kvtier.policies.adaptive import AdaptivePolicy
+from kvtier.replay.behind_engine import replay_behind_engine, served_requests
 from kvtier.replay.driver import replay, trace_keys
 from kvtier.replay.generate import generate, write_trace
 from kvtier.replay.rekey import rekeyed
@@ -137,6 +138,42 @@ def test_generated_workloads_replays_each_key_seed_as_a_draw(
     median = (rows[0]["vs_lru"] + rows[1]["vs_lru"]) / 2
     assert f"{worst['key_seed']:4d} {median:6.3f}     2/2" in out
     assert "chat-3 key seed 0 @ 60 default" in out and "2 of 2 cells missed" in out
+
+
+@pytest.mark.parametrize("batch_tokens", [None, 512])
+def test_generated_workloads_replays_the_engine_view(
+        batch_tokens: int | None, capsys: pytest.CaptureFixture[str]) -> None:
+    rows_of = _load("generated_workloads")
+    argv = ["--kinds", "chat", "--seeds", "1", "--capacity", "100,400", "--requests", "300",
+            "--policies", "default", "--gpu-blocks", "200"]
+    if batch_tokens:
+        argv += ["--gpu-batch-tokens", str(batch_tokens)]
+    assert rows_of.main([*argv, "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    served = served_requests(generate("chat", 1, 300))
+    alone = trace_keys(generate("chat", 1, 300))
+    for r in rows:
+        assert r["gpu_blocks"] == 200
+        for policy, field in (("default", "hit_ratio"), ("lru", "lru"), ("arc", "arc")):
+            behind = replay_behind_engine(served, r["capacity"], policy, gpu_blocks=200,
+                                          batch_tokens=batch_tokens).hit_ratio
+            assert r[field] == behind
+        # the CPU tier's ratio behind the engine, not the replay alone (control)
+        assert r["lru"] != replay(alone, r["capacity"], "lru").hit_ratio
+    assert rows_of.main(argv) == 0
+    assert "behind a 200-block engine cache" in capsys.readouterr().out
+
+
+def test_generated_workloads_refuses_an_engine_view_it_cannot_run(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    rows_of = _load("generated_workloads")
+    small = ["--kinds", "chat", "--seeds", "1", "--capacity", "60", "--requests", "100"]
+    with pytest.raises(SystemExit):
+        rows_of.main([*small, "--gpu-batch-tokens", "512"])
+    assert "--gpu-batch-tokens needs --gpu-blocks" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        rows_of.main([*small, "--gpu-blocks", "3"])
+    assert "smaller than the longest request" in capsys.readouterr().err
 
 
 def test_policy_cost_lockstep_pairs_each_policy_with_lru(
