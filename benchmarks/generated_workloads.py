@@ -114,6 +114,7 @@ class View:
             batch_tokens=self.batch_tokens).hit_ratio
 
     def describe(self) -> str:
+        """The view in words, for the table's heading."""
         if not self.gpu_blocks:
             return "kvtier alone"
         engine = (f"vLLM's scheduler at {self.batch_tokens} tokens a step"
