@@ -50,7 +50,7 @@ from dataclasses import asdict, dataclass
 from kvtier.argtypes import int_list, known_name_list, policy_list, positive_int, seed_list
 from kvtier.policies import policy_class
 from kvtier.progress import make_progress
-from kvtier.replay.behind_engine import check_fits, replay_behind_engine, served_requests
+from kvtier.replay.behind_engine import replay_behind_engine, served_requests
 from kvtier.replay.driver import replay, trace_keys
 from kvtier.replay.generate import KINDS, generate
 from kvtier.replay.rekey import rekeyed
@@ -103,12 +103,12 @@ class View:
 
     def replayer(self, workload: Sequence[TraceRequest]) -> Callable[[int, str], float]:
         """A function (capacity, policy) -> hit ratio on ``workload`` in this
-        view; ``ValueError`` when the engine cannot hold one of its requests."""
+        view; it raises ``ValueError`` when the engine cannot hold one of the
+        workload's requests (``replay_behind_engine`` checks that first)."""
         if not self.gpu_blocks:
             keys = trace_keys(workload)
             return lambda capacity, policy: replay(keys, capacity, policy).hit_ratio
         served = served_requests(workload)
-        check_fits(served, self.gpu_blocks)
         return lambda capacity, policy: replay_behind_engine(
             served, capacity, policy, gpu_blocks=self.gpu_blocks,
             batch_tokens=self.batch_tokens).hit_ratio

@@ -7,7 +7,7 @@ docs/policy.md ("Adaptive") has the measurements behind it.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Container, Sequence
+from collections.abc import Container, Iterable, Sequence
 
 from kvtier.policies.plfu import PLFUPolicy
 from kvtier.policies.shadows import LRUShadow, PLFUShadow, Shadow
@@ -191,11 +191,7 @@ class AdaptivePolicy(PLFUPolicy):
 
     def sizes(self) -> dict[str, int]:
         sizes = super().sizes()
-        total = {"shadow_resident": 0, "shadow_history": 0, "shadow_ghosts": 0}
-        for s in self.shadows:
-            for part, n in s.sizes().items():
-                total["shadow_" + part] += n
-        sizes.update(total)
+        sizes.update(_shadow_totals(s.sizes() for s in self.shadows))
         sizes["shadow_pending"] = sum(len(keys) for keys, _ in self._pending)
         sizes["turn_ends"] = len(self.turns)
         return sizes
@@ -203,11 +199,8 @@ class AdaptivePolicy(PLFUPolicy):
     def size_bounds(self, batch: int) -> dict[str, int]:
         bounds = super().size_bounds(batch)
         bounds["history"] = bounds["history_aging"] = max(self.FACTORS) * self.capacity + batch
-        total = {"shadow_resident": 0, "shadow_history": 0, "shadow_ghosts": 0}
-        for s in self.shadows:
-            for part, n in s.size_bounds(batch, max(self.FACTORS)).items():
-                total["shadow_" + part] += n
-        bounds.update(total)
+        bounds.update(_shadow_totals(s.size_bounds(batch, max(self.FACTORS))
+                                     for s in self.shadows))
         bounds["shadow_pending"] = self._shadow_capacity + batch
         bounds["turn_ends"] = self.turns.limit
         return bounds
@@ -356,3 +349,13 @@ class AdaptivePolicy(PLFUPolicy):
     def clear(self) -> None:
         super().clear()
         self._init_adaptive()
+
+
+def _shadow_totals(parts: Iterable[dict[str, int]]) -> dict[str, int]:
+    """Each part (``resident``, ``history``, ``ghosts``) summed over the
+    shadows' ``sizes()`` or ``size_bounds()``, named ``shadow_PART``."""
+    total = {"shadow_resident": 0, "shadow_history": 0, "shadow_ghosts": 0}
+    for shadow in parts:
+        for part, n in shadow.items():
+            total["shadow_" + part] += n
+    return total
