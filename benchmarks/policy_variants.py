@@ -25,7 +25,9 @@ from collections.abc import Container, Sequence
 from typing import Any
 
 from kvtier.policies.adaptive import AdaptivePolicy
+from kvtier.policies.plfu import PLFUPolicy
 from kvtier.policies.shadows import PLFUShadow, Shadow
+from kvtier.policies.turns import TurnTracker
 
 _ABSENT = object()
 
@@ -138,8 +140,36 @@ class TwoUses32(TwoUses):
     CONFIG = (32, True)
 
 
+class _NoTurns(TurnTracker):
+    """A turn tracker that never sees a continuation (the shadows follow no turns)."""
+
+    def continues(self, keys: Sequence[bytes], first_new: int, asked_from: int = 0) -> bool:
+        return False
+
+
+class ShadowPlain8(Plain8):
+    """A shadow's configuration at full scale: PLFU's window rules (its start
+    and step, not the default's) and no conversation turns, history 8 x
+    capacity, no admission (``benchmarks/shadow_fidelity.py``)."""
+
+    name = "shadow-plain8"
+    START_WINDOW = PLFUPolicy.START_WINDOW
+    STEP_SCALE = PLFUPolicy.STEP_SCALE
+
+    def _init_adaptive(self) -> None:
+        super()._init_adaptive()
+        self.turns = _NoTurns(1)
+
+
+class ShadowAdmit8(ShadowPlain8):
+    """``ShadowPlain8`` with admission."""
+
+    name = "shadow-admit8"
+    CONFIG = (8, True)
+
+
 VARIANTS = (Plain8, Plain8Window50, Admit8, Admit16, Admit32, Window1, Window25, Window50,
-            ByFrequency, ByRecency, TwoUses, TwoUses32)
+            ByFrequency, ByRecency, TwoUses, TwoUses32, ShadowPlain8, ShadowAdmit8)
 """Every variant, for ``--policy`` lists: ``policy_variants:NAME`` each."""
 
 

@@ -282,10 +282,12 @@ class RequestContext:
     def asked_from(self, keys: list[bytes]) -> int:
         """Index of the first of ``keys`` (an ``access_order``, head first) that
         the request asked the cache for: ``first_asked``, or failing that the
-        first key at or past its position; 0 when it never looked up."""
+        first key at or past its position; ``len(keys)`` when it never looked
+        up (a request the engine's cache served whole asked this cache for
+        nothing: its keys reached it only as offers)."""
         first = self.first_asked
         if first is None:
-            return 0
+            return len(keys)
         try:
             return keys.index(first)
         except ValueError:  # not held any more: place it by position

@@ -402,8 +402,9 @@ def test_manager_says_where_the_asked_keys_start() -> None:
     mgr = OffloadManager(64, policy="test_policy_adaptive:_DemandRecorder")
     _serve(mgr, list(range(6)), 2, "a")  # blocks 0-1 came from the engine
     _serve(mgr, list(range(10, 14)), 0, "b")
-    _serve(mgr, list(range(20, 23)), None, "c")  # never looked up: all asked
-    assert [(ks(range(6)), 2), (ks(range(10, 14)), 0), (ks(range(20, 23)), 0)] == DEMANDS
+    # never looked up (the engine's cache served it whole): nothing was asked
+    _serve(mgr, list(range(20, 23)), None, "c")
+    assert [(ks(range(6)), 2), (ks(range(10, 14)), 0), (ks(range(20, 23)), 3)] == DEMANDS
     ctx = RequestContext("d")
     mgr.lookup_one(k(30), ctx)  # vLLM's lookups come one key at a time
     mgr.lookup_one(k(31), ctx)
@@ -421,7 +422,7 @@ def test_asked_from_places_an_absent_first_key_by_position() -> None:
     ctx = RequestContext("r")
     keys = ks([1, 2, 3, 4])
     ctx.set_positions(keys, 32, 32)
-    assert ctx.asked_from(keys) == 0
+    assert ctx.asked_from(keys) == len(keys)  # never looked up: nothing asked
     ctx.first_asked = k(3)
     assert ctx.asked_from(keys) == 2
     ctx.set_position(k(9), 80)  # between blocks 2 and 3, and not held
@@ -452,6 +453,32 @@ def test_behind_the_engine_the_shadows_find_admission() -> None:
     assert default.stores_skipped > 0 and control.stores_skipped == 0
     assert default.hit_ratio > 1.1 * lru.hit_ratio
     assert control.hit_ratio < default.hit_ratio
+
+
+def test_a_request_the_engine_served_whole_scores_no_shadow_hit() -> None:
+    """vLLM never asks kvtier about a request whose every block the engine's
+    cache held; its offer of those blocks is no demand on the tier, so no
+    shadow scores it (with the old reading, "never looked up: all asked",
+    every shadow holding them scored a hit)."""
+    mgr = OffloadManager(64, policy="adaptive")
+    pol = mgr.policy
+    assert isinstance(pol, AdaptivePolicy)
+    # two sampled blocks a request: three requests stay within one epoch
+    everything = [k for k in ks(range(2000)) if k in pol.sampled([k])][:2]
+    assert 3 * len(everything) < pol._shadow_capacity
+    ids = [int.from_bytes(k[:8], "big") for k in everything]
+    _serve(mgr, ids, 0, "asked")  # asked and missed: stored in every shadow
+    pol._feed_pending()
+    assert [s.hits for s in pol.shadows] == [0] * len(pol.shadows)
+    _serve(mgr, ids, None, "engine")  # the same blocks, never asked for
+    pol._feed_pending()
+    assert [s.hits for s in pol.shadows] == [0] * len(pol.shadows)
+    ctx = RequestContext("asked again")  # control: asked, held, scored
+    assert mgr.lookup(everything, ctx) == len(ids)
+    assert mgr.prepare_store(everything, ctx) is not None
+    mgr.on_request_finished(ctx)
+    pol._feed_pending()
+    assert all(s.hits == len(ids) for s in pol.shadows)
 
 
 def test_stats_report_the_active_configuration() -> None:

@@ -46,6 +46,33 @@ def _loop_with_one_offs(path: Path) -> Path:
     return path
 
 
+def test_shadow_fidelity_scores_each_candidate_beside_its_real_cache(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    fidelity = _load("shadow_fidelity")
+    # ten 4-block prompts in turn: more than the engine's 12 blocks hold, all
+    # of them within the CPU tier's 64
+    trace = tmp_path / "t.jsonl"
+    write_trace([TraceRequest(i, 4 * 512, 10, tuple(range(10 * (i % 10), 10 * (i % 10) + 4)))
+                 for i in range(200)], trace)
+    assert fidelity.main([str(trace), "--capacity", "64", "--gpu-blocks", "12",
+                          "--rates", "0.5,1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["plain8", "admit4", "admit8", "admit16", "admit32", "LRU"]
+    rows = {line[:22].strip(): line[22:].split() for line in lines[1:4]}
+    assert set(rows) == {"shadows at rate 0.5", "shadows at rate 1", "real, held fixed"}
+    full = [float(v) for v in rows["shadows at rate 1"]]
+    assert all(0.9 < v <= 1 for v in full)  # every prompt comes back while held
+    real = rows["real, held fixed"]
+    assert real[1] == "-" and all(0.5 < float(real[i]) <= 1 for i in (0, 2, 5))
+    # at rate 1 every key is sampled, and an access with none is left out
+    log = [([b"a", b"b"], 1), ([], 0)]
+    assert fidelity.sampled(log, 1.0) == [([b"a", b"b"], 1)]
+    with pytest.raises(SystemExit):
+        fidelity.main([str(trace), "--rates", "0"])
+
+
 def test_oracle_admission_keeps_what_one_offs_would_push_out() -> None:
     oracles = _load("admission_oracles")
     requests = [(0, 1, 2, 100 + 4 * i, 101 + 4 * i, 102 + 4 * i, 103 + 4 * i)
@@ -318,7 +345,7 @@ def test_instruction_table_subtracts_the_load_and_divides_by_lru(
                     ["plfu", "8", "30", "1.500", "0.40", "2.000"]]
 
 
-@pytest.mark.parametrize("index", range(12))
+@pytest.mark.parametrize("index", range(14))
 def test_each_fixed_variant_keeps_the_contract_and_its_configuration(index: int) -> None:
     variants = _load("policy_variants")
     cls = variants.VARIANTS[index]

@@ -27,7 +27,8 @@ class EvictionPolicy(ABC):
       ``wants_demand``): the same access, and the index of the first key the
       request asked the cache for (``keys[:asked_from]`` were served by a
       cache in front of it, such as the engine's prefix cache, and reached
-      this one only as offers);
+      this one only as offers; ``len(keys)`` when the request asked this
+      cache for nothing, as one the engine's cache served whole);
     * ``keep_ahead(run, keys, start, new)`` (only when ``wants_running_order``):
       a running request offered more blocks and ``new`` were inserted; its
       other blocks the policy holds should keep ranking above them (tails
