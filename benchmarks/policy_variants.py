@@ -12,7 +12,9 @@ deciding first from shadows sampled at a higher rate (docs/policy.md, "How
 it starts"). ``GHOSTS`` are ``AdaptivePolicy`` whose window learns from
 fewer of its ghosts: only those of the newer generation, or only those
 within ARC's bound on a ghost list's depth (docs/policy.md, "Which ghosts
-move the window").
+move the window"). ``ShadowPlain8`` / ``ShadowAdmit8`` are two of the
+shadows' configurations at full scale, as a shadow runs them (PLFU's
+window rules, no turns), for ``shadow_fidelity.py``.
 
     PYTHONPATH=benchmarks kvtier replay --capacity 4000 \\
         --policy lru,default,policy_variants:Admit8,policy_variants:Window1 TRACE
