@@ -44,7 +44,8 @@ FIXED = {(8, False): "policy_variants:ShadowPlain8", (8, True): "policy_variants
 
 class Recorder(AdaptivePolicy):
     """The default policy, recording each access it is given in ``log``
-    (class-level: the replay builds the policy by name; one replay at a time)."""
+    (class-level: the replay builds the policy by name; one replay at a time).
+    Memory: every access of the replay, the trace's keys once more."""
 
     name = "recorder"
     log: ClassVar[list[Access]] = []
@@ -56,9 +57,10 @@ class Recorder(AdaptivePolicy):
 
 
 def sampled(log: list[Access], rate: float) -> list[Access]:
-    """Each access's keys of CRC-32 below ``rate`` of the hash space (the
-    default's sampling), those a cache in front served first, as the
-    default feeds its shadows; accesses with none are left out."""
+    """Each access's keys of CRC-32 below ``rate`` of the hash space, those a
+    cache in front served first: what ``AdaptivePolicy.on_demand_access``
+    feeds its shadows, at any rate (the policy's own is capped at
+    ``MAX_RATE``); accesses with none are left out."""
     threshold = int(rate * (1 << 32))
     out = []
     for keys, asked_from in log:
@@ -102,14 +104,20 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--rates: comma-separated numbers, got {args.rates!r}")
     if not all(0 < r <= 1 for r in rates):
         ap.error(f"--rates: each in (0, 1], got {args.rates!r}")
-    served = served_requests(load_trace(args.trace))
+    try:
+        served = served_requests(load_trace(args.trace))
+    except (OSError, ValueError) as exc:
+        ap.error(f"{args.trace}: {exc}")
 
     def run(policy: str) -> float:
         return replay_behind_engine(served, args.capacity, policy, gpu_blocks=args.gpu_blocks,
                                     batch_tokens=args.gpu_batch_tokens).hit_ratio
 
     Recorder.log = []
-    default = run(f"{__name__}:Recorder")
+    try:
+        default = run(f"{__name__}:Recorder")
+    except ValueError as exc:  # an engine too small for a request, a policy not found
+        ap.error(str(exc))
     log, Recorder.log = Recorder.log, []
     candidates = [*AdaptivePolicy.CANDIDATES, "lru"]
     print(f"{'':22s}" + "".join(f"{label(c):>9s}" for c in candidates))

@@ -464,9 +464,9 @@ def test_a_request_the_engine_served_whole_scores_no_shadow_hit() -> None:
     pol = mgr.policy
     assert isinstance(pol, AdaptivePolicy)
     # two sampled blocks a request: three requests stay within one epoch
-    everything = [k for k in ks(range(2000)) if k in pol.sampled([k])][:2]
-    assert 3 * len(everything) < pol._shadow_capacity
-    ids = [int.from_bytes(k[:8], "big") for k in everything]
+    keys = [key for key in ks(range(2000)) if pol.sampled([key])][:2]
+    assert 3 * len(keys) < pol._shadow_capacity
+    ids = [int.from_bytes(key[:8], "big") for key in keys]
     _serve(mgr, ids, 0, "asked")  # asked and missed: stored in every shadow
     pol._feed_pending()
     assert [s.hits for s in pol.shadows] == [0] * len(pol.shadows)
@@ -474,8 +474,8 @@ def test_a_request_the_engine_served_whole_scores_no_shadow_hit() -> None:
     pol._feed_pending()
     assert [s.hits for s in pol.shadows] == [0] * len(pol.shadows)
     ctx = RequestContext("asked again")  # control: asked, held, scored
-    assert mgr.lookup(everything, ctx) == len(ids)
-    assert mgr.prepare_store(everything, ctx) is not None
+    assert mgr.lookup(keys, ctx) == len(ids)
+    assert mgr.prepare_store(keys, ctx) is not None
     mgr.on_request_finished(ctx)
     pol._feed_pending()
     assert all(s.hits == len(ids) for s in pol.shadows)

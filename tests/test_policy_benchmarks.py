@@ -69,8 +69,11 @@ def test_shadow_fidelity_scores_each_candidate_beside_its_real_cache(
     # at rate 1 every key is sampled, and an access with none is left out
     log = [([b"a", b"b"], 1), ([], 0)]
     assert fidelity.sampled(log, 1.0) == [([b"a", b"b"], 1)]
-    with pytest.raises(SystemExit):
-        fidelity.main([str(trace), "--rates", "0"])
+    for bad, says in ((["--rates", "0"], "each in (0, 1]"), (["--rates", "x"], "numbers"),
+                      (["--gpu-blocks", "2"], "could not run it")):
+        with pytest.raises(SystemExit):
+            fidelity.main([str(trace), *bad])
+        assert says in capsys.readouterr().err
 
 
 def test_oracle_admission_keeps_what_one_offs_would_push_out() -> None:
