@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import zlib
 from collections.abc import Container, Sequence
 from pathlib import Path
 from typing import ClassVar
@@ -56,19 +55,23 @@ class Recorder(AdaptivePolicy):
         super().on_demand_access(keys, reused, asked_from)
 
 
+class Sampler(AdaptivePolicy):
+    """The default's sampling of the keys its shadows see, at any ``rate``
+    (the policy's own is capped at ``MAX_RATE``)."""
+
+    name = "sampler"
+
+    def __init__(self, rate: float) -> None:
+        super().__init__(AdaptivePolicy.MIN_SHADOW)
+        self._threshold = int(rate * (1 << 32))
+
+
 def sampled(log: list[Access], rate: float) -> list[Access]:
-    """Each access's keys of CRC-32 below ``rate`` of the hash space, those a
-    cache in front served first: what ``AdaptivePolicy.on_demand_access``
-    feeds its shadows, at any rate (the policy's own is capped at
-    ``MAX_RATE``); accesses with none are left out."""
-    threshold = int(rate * (1 << 32))
-    out = []
-    for keys, asked_from in log:
-        served = [k for k in keys[:asked_from] if zlib.crc32(k) < threshold]
-        rest = [k for k in keys[asked_from:] if zlib.crc32(k) < threshold]
-        if served or rest:
-            out.append((served + rest, len(served)))
-    return out
+    """What ``AdaptivePolicy.on_demand_access`` feeds its shadows of each
+    access (``sampled_access``) at ``rate``; accesses with none are left out."""
+    sampler = Sampler(rate)
+    out = [sampler.sampled_access(keys, asked_from) for keys, asked_from in log]
+    return [access for access in out if access[0]]
 
 
 def shadow_scores(log: list[Access], capacity: int, rate: float) -> dict[object, float]:

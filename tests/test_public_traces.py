@@ -13,6 +13,7 @@ a file with other bytes fails (its figures would not be the rows').
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 from pathlib import Path
@@ -21,7 +22,7 @@ import pytest
 
 from kvtier.replay.behind_engine import replay_behind_engine, served_requests
 from kvtier.replay.driver import replay, trace_keys
-from kvtier.replay.trace import load_trace
+from kvtier.replay.trace import TraceRequest, load_trace
 
 ENV = "KVTIER_PUBLIC_TRACES"
 GPU_BLOCKS = 500
@@ -66,16 +67,26 @@ def _trace(name: str) -> Path:
     path = Path(folder) / name
     if not path.is_file():
         pytest.skip(f"{path} not found")
-    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    digest = _sha256(path)
     assert digest == TRACES[name], (
         f"{path}: sha256 {digest}, not {TRACES[name]}: another file than the rows used")
     return path
 
 
+@functools.cache
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@functools.cache
+def _load(path: Path) -> list[TraceRequest]:
+    return load_trace(path)  # read once for all the rows of a trace
+
+
 def hit_ratio(path: Path, view: str, capacity: int, policy: str) -> float:
     """What ``kvtier replay`` (``view`` "alone") or ``kvtier replay
     --gpu-blocks 500`` ("engine") prints as the hit ratio of one row."""
-    trace = load_trace(path)
+    trace = _load(path)
     if view == "alone":
         return replay(trace_keys(trace), capacity, policy).hit_ratio
     return replay_behind_engine(served_requests(trace), capacity, policy,

@@ -256,12 +256,7 @@ class AdaptivePolicy(PLFUPolicy):
         self._apply(keys, first_new)
         if turn:  # recency mode promotes nothing
             self.enter_main(keys[first_new:])
-        if asked_from:  # the sampled keys a cache in front served, then the others
-            served = self.sampled(keys[:asked_from])
-            sampled = served + self.sampled(keys[asked_from:])
-            asked_from = len(served)
-        else:
-            sampled = self.sampled(keys)
+        sampled, asked_from = self.sampled_access(keys, asked_from)
         if sampled:
             self._pending.append((sampled, asked_from))
             self._sampled += len(sampled)
@@ -287,6 +282,15 @@ class AdaptivePolicy(PLFUPolicy):
         if self._pending:
             requests, self._pending = self._pending, []
             self._feed(self.shadows, requests)
+
+    def sampled_access(self, keys: Sequence[bytes], asked_from: int) -> tuple[list[bytes], int]:
+        """What the shadows are fed of an access: its sampled keys, those a
+        cache in front served (``keys[:asked_from]``) first, and how many of
+        them were served."""
+        if not asked_from:
+            return self.sampled(keys), 0
+        served = self.sampled(keys[:asked_from])
+        return served + self.sampled(keys[asked_from:]), len(served)
 
     def sampled(self, keys: Sequence[bytes]) -> list[bytes]:
         """The keys of ``keys`` the shadows see (CRC-32 below the sampling threshold)."""
