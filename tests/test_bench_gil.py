@@ -1,5 +1,6 @@
-"""The GIL hand-off benchmarks run and print their rows (their figures are
-the README's, "Measured costs"; nothing here times anything)."""
+"""The GIL hand-off benchmarks run and print their rows (their figures are in
+docs/costs.md, "Disk and Redis I/O beside a busy scheduler"; nothing here
+times anything)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,8 @@
 """The README read as a user who copies from it: its configuration examples are
 accepted as written, and its config table, metric names, commands, flags, file
-names and Python example agree with the code."""
+names and Python example agree with the code. The pages its measurement
+sections moved to (``PAGES``) are read with it: their commands, flags and
+files are checked the same way."""
 
 from __future__ import annotations
 
@@ -18,7 +20,10 @@ from kvtier.vllm.settings import KVTierSettings
 
 REPO = Path(__file__).parent.parent
 README = REPO / "README.md"
-TEXT = README.read_text()
+PAGES = (README, REPO / "docs" / "costs.md", REPO / "docs" / "serving-benchmark.md",
+         REPO / "docs" / "guarantees.md")
+"""The README and the pages of figures it points to, read as one text."""
+TEXT = "\n".join(page.read_text() for page in PAGES)
 
 FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.M | re.S)
 COMMANDS = ("replay", "generate", "foresight", "soak", "serve", "bench", "disk", "redis",
@@ -265,6 +270,13 @@ def test_every_file_and_test_the_readme_names_exists() -> None:
     test_source = "".join(p.read_text() for p in (REPO / "tests").rglob("*.py"))
     for name in set(re.findall(r"\btest_\w+(?=`|\))", TEXT)):
         assert f"def {name}(" in test_source, name
+
+
+def test_every_page_of_figures_is_linked_from_the_readme() -> None:
+    readme = README.read_text()
+    for page in PAGES[1:]:
+        link = f"]({page.relative_to(REPO)})"
+        assert link in readme, f"the README links no {page.name}"
 
 
 def output_shape(line: str) -> str:

@@ -49,7 +49,7 @@ OTHER_SALT = "0ther-Salt-5ecret-a6b"
 SECRETS = (ADMIN_PW, ALICE_PW, WRONG_PW, SALT, OTHER_SALT)
 KVTIER_COMMANDS = ("get", "set", "exists", "del", "ping", "info")
 """What an engine's Redis tier sends (``kvtier/tiers/redis_tier.py``): the
-minimal command set of a production ACL user (README, Security)."""
+minimal command set of a production ACL user (docs/guarantees.md, "Security")."""
 SIZE = 4096
 
 

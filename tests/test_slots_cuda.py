@@ -3,7 +3,7 @@ stream, pinned registration of the region, failures and shutdown.
 
 Every test here but the copy-mode rule's needs a CUDA device and is skipped
 without one (CI has none); they are run on a GPU machine when a session is
-lent one (README, "Copy bandwidth").
+lent one (docs/costs.md, "Copy bandwidth").
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ slots, chosen per segment (``cuda_copy``):
   kernel takes SM time from the engine's work while it runs.
 
 ``auto`` (:func:`pick_copy`) takes ``mapped`` only for segments of many small
-runs, where memcpy cannot keep the link busy. Measured on an H200 (README,
+runs, where memcpy cannot keep the link busy. Measured on an H200 (docs/costs.md,
 "Copy bandwidth"): 256 scattered 64 KiB blocks moved at 4.4 GB/s by memcpy and
 16 GB/s mapped, 256 scattered 2 MiB blocks at 46 and 47 GB/s; a mapped copy
 slowed matrix products running beside it by a quarter, a memcpy one not at all.

@@ -39,8 +39,8 @@ most this long (10 us; CPython's default is 5 ms). Below it the thread's
 wake-up sets the pace: a 108-block read beside a busy thread took 58.9 /
 34.9 / 29.2 / 26.8 ms at 100 / 30 / 10 / 3 us, while the busy thread gave
 up about the same share of its rate per read at each
-(``benchmarks/bench_gil_handoff.py --intervals 100,30,10,3``; README,
-"Measured costs")."""
+(``benchmarks/bench_gil_handoff.py --intervals 100,30,10,3``; docs/costs.md,
+"Disk and Redis I/O beside a busy scheduler")."""
 
 
 class _Handoffs:
