@@ -83,8 +83,9 @@ def shape_classes(requests: Sequence[Sequence[int]]) -> dict[int, tuple[int, int
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("trace", type=Path)
-    ap.add_argument("--capacity", type=int, default=4000)
+    ap.add_argument("trace", type=Path, help="Mooncake trace to replay (JSON lines)")
+    ap.add_argument("--capacity", type=int, default=4000,
+                    help="blocks each LRU cache holds (default: %(default)s)")
     args = ap.parse_args(argv)
     if args.capacity < 1:
         ap.error("--capacity must be >= 1")

@@ -58,9 +58,12 @@ def measure(requests: list[list[bytes]], capacity: int, repeats: int) -> dict[st
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("trace", nargs="?", type=Path, default=BUNDLED_TRACE)
-    ap.add_argument("--capacity", default="1000,4000,16000")
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("trace", nargs="?", type=Path, default=BUNDLED_TRACE,
+                    help="Mooncake trace (default: the bundled conversation trace)")
+    ap.add_argument("--capacity", default="1000,4000,16000",
+                    help="cache sizes in blocks, comma-separated (default: %(default)s)")
+    ap.add_argument("--repeats", type=int, default=5,
+                    help="timings of each figure, the best kept (default: %(default)s)")
     args = ap.parse_args(argv)
     if args.repeats < 1:
         ap.error("--repeats must be >= 1")

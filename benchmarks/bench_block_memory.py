@@ -127,9 +127,14 @@ def _child(args: argparse.Namespace, policy: str, traced: bool) -> dict[str, obj
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--blocks", type=int, default=1_000_000)
-    parser.add_argument("--policies", default="lru,arc,default")
-    parser.add_argument("--request-blocks", type=int, default=32)
+    parser.add_argument("--blocks", type=int, default=1_000_000,
+                        help="cache size: resident blocks to fill it with (default: %(default)s)")
+    parser.add_argument("--policies", default="lru,arc,default",
+                        help="eviction policies to measure, comma-separated "
+                        "(default: %(default)s)")
+    parser.add_argument("--request-blocks", type=int, default=32,
+                        help="blocks per request as the cache is filled and churned "
+                        "(default: %(default)s)")
     parser.add_argument("--churn", type=int, default=0,
                         help="blocks to pass through the full cache before the last figure")
     parser.add_argument("--json", action="store_true", help="one JSON object per run")

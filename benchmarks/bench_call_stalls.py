@@ -119,15 +119,24 @@ def measure(traces: list[list[bytes]], capacity: int, rows: list[str],
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--capacity", type=int_list, default="16384,65536")
-    parser.add_argument("--policy", type=policy_list, default="lru,default")
-    parser.add_argument("--kind", default="rag", choices=sorted(KINDS))
-    parser.add_argument("--requests", type=positive_int, default=120_000)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--repeats", type=positive_int, default=3)
+    parser.add_argument("--capacity", type=int_list, default="16384,65536",
+                        help="cache sizes in blocks, comma-separated (default: %(default)s)")
+    parser.add_argument("--policy", type=policy_list, default="lru,default",
+                        help="kvtier eviction policies, comma-separated "
+                        "(default: %(default)s)")
+    parser.add_argument("--kind", default="rag", choices=sorted(KINDS),
+                        help="generated workload, one of kvtier generate's kinds "
+                        "(default: %(default)s)")
+    parser.add_argument("--requests", type=positive_int, default=120_000,
+                        help="requests of the generated workload (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the generated workload (default: %(default)s)")
+    parser.add_argument("--repeats", type=positive_int, default=3,
+                        help="runs of each row, the median kept (default: %(default)s)")
     parser.add_argument("--no-vllm", dest="vllm", action="store_false",
                         help="leave out vLLM's manager")
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--json", action="store_true",
+                        help="one JSON object per row instead of a table")
     args = parser.parse_args(argv)
     traces = [[kvtier.block_key(h) for h in req.hash_ids]
               for req in generate(args.kind, args.seed, args.requests)]

@@ -132,7 +132,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--blocks", type=int, default=64, help="blocks per batch")
     parser.add_argument("--threads", type=int, default=1, help="torch and copy threads")
-    parser.add_argument("--repeats", type=int, default=21)
+    parser.add_argument("--repeats", type=int, default=21,
+                        help="timed runs of each copy, the median reported "
+                        "(default: %(default)s)")
     parser.add_argument("--json", action="store_true", help="one JSON object per line")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

@@ -221,7 +221,9 @@ def _print_table(rows: list[dict[str, Any]], blocks: int, repeats: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--blocks", type=int, default=64, help="blocks per batch")
-    parser.add_argument("--repeats", type=int, default=21)
+    parser.add_argument("--repeats", type=int, default=21,
+                        help="timed runs of each copy (and of --interference's products), "
+                        "the median reported (default: %(default)s)")
     parser.add_argument("--interference", action="store_true",
                         help="also time matrix products running beside a copy")
     parser.add_argument("--json", action="store_true", help="one JSON object per line")

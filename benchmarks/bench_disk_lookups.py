@@ -37,8 +37,11 @@ def lookup_us(tier: DiskTier, n: int, first_id: int) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--lookups", type=int, default=2000)
-    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--lookups", type=int, default=2000,
+                    help="lookups of unknown blocks per mode and round (default: %(default)s)")
+    ap.add_argument("--rounds", type=int, default=7,
+                    help="rounds, the two modes alternating, the median reported "
+                    "(default: %(default)s)")
     ap.add_argument("--dir", default=None, help="directory (default: a temp dir)")
     args = ap.parse_args(argv)
     ns = KVLayout("bench", "bfloat16", 16, 2, 2, 64).namespace()

@@ -197,9 +197,13 @@ def tier_to_read(args: argparse.Namespace, capacity: int) -> Iterator[Tier]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--blocks", type=int, default=108)
-    ap.add_argument("--block-kib", type=int, default=32)
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--blocks", type=int, default=108,
+                    help="blocks per read (default: %(default)s)")
+    ap.add_argument("--block-kib", type=int, default=32,
+                    help="size of a block, KiB (default: %(default)s)")
+    ap.add_argument("--rounds", type=int, default=5,
+                    help="rounds of each timing, modes interleaved, the median reported "
+                    "(default: %(default)s)")
     ap.add_argument("--window", type=float, default=3.0,
                     help="seconds of back-to-back reads per busy mode")
     ap.add_argument("--intervals", type=intervals_us, default=[IO_SWITCH_INTERVAL_S * 1e6],

@@ -80,10 +80,16 @@ def timed(fn: object) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--gb", type=float, default=4.0)
-    ap.add_argument("--shards", type=int, default=4)
-    ap.add_argument("--tensors", type=int, default=300)
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--gb", type=float, default=4.0,
+                    help="size of the checkpoint written, GB of 10**9 bytes "
+                    "(default: %(default)s)")
+    ap.add_argument("--shards", type=int, default=4,
+                    help="safetensors files of the checkpoint (default: %(default)s)")
+    ap.add_argument("--tensors", type=int, default=300,
+                    help="tensors in all, over the shards (default: %(default)s)")
+    ap.add_argument("--repeats", type=int, default=5,
+                    help="timings of the warm, cold and restart fingerprints, the median "
+                    "reported (default: %(default)s)")
     ap.add_argument("--dir", type=Path, default=None, help="where to write (default: a temp dir)")
     args = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="kvtier-identity-", dir=args.dir))

@@ -182,17 +182,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--blocks", type=_ints, default=[1024, 2048, 4096, 8192, 16384],
                     help="prompt lengths in blocks, comma-separated")
     ap.add_argument("--chunk", type=int, default=128, help="blocks offered per step")
-    ap.add_argument("--policies", default="default,lru,plfu")
+    ap.add_argument("--policies", default="default,lru,plfu",
+                    help="eviction policies, comma-separated (default: %(default)s)")
     ap.add_argument("--capacity-factor", type=float, default=2.0,
                     help="cache size as a multiple of the prompt")
     ap.add_argument("--others", type=int, default=0,
                     help="short requests offered and finished at every step")
-    ap.add_argument("--other-blocks", type=int, default=16)
+    ap.add_argument("--other-blocks", type=int, default=16,
+                    help="blocks of each short request of --others (default: %(default)s)")
     ap.add_argument("--decode", type=int, default=0,
                     help="blocks decoded after the prompt, one offer each")
     ap.add_argument("--after", type=int, default=0,
                     help="steps of --others traffic after the prompt finished")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="runs of each policy and prompt length, the best reported "
+                    "(default: %(default)s)")
     args = ap.parse_args(argv)
     if (args.chunk < 1 or args.repeats < 1 or args.others < 0 or args.other_blocks < 1
             or args.decode < 0 or args.after < 0):

@@ -120,11 +120,17 @@ def bench(url: str, n_requests: int, blocks: int, repeats: int) -> list[Row]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--requests", type=int, default=16)
-    ap.add_argument("--blocks", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--requests", type=int, default=16,
+                    help="requests of the workload, scanned at every step until settled "
+                    "(default: %(default)s)")
+    ap.add_argument("--blocks", type=int, default=64,
+                    help="block keys per request (default: %(default)s)")
+    ap.add_argument("--repeats", type=int, default=5,
+                    help="runs of each case and mode, the median reported "
+                    "(default: %(default)s)")
     ap.add_argument("--url", help="an existing Redis/Valkey (default: start a local one)")
-    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--json", action="store_true",
+                    help="print the rows as one JSON list instead of a table")
     args = ap.parse_args()
     server = None if args.url else RedisServer().start()
     url = args.url if server is None else server.url

@@ -171,15 +171,26 @@ def vllm_counterpart(policy: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--trace", type=Path, default=TRACE)
-    parser.add_argument("--repeats", type=positive_int, default=3)
-    parser.add_argument("--capacity", type=int_list, default="1000,4000,16000")
-    parser.add_argument("--policy", type=policy_list, default="lru,arc")
-    parser.add_argument("--store-threshold", type=int_list, default="1,2")
+    parser.add_argument("--trace", type=Path, default=TRACE,
+                        help="Mooncake trace to replay (default: the bundled "
+                        "conversation trace)")
+    parser.add_argument("--repeats", type=positive_int, default=3,
+                        help="runs of each row, the median reported (default: %(default)s)")
+    parser.add_argument("--capacity", type=int_list, default="1000,4000,16000",
+                        help="cache sizes in blocks, comma-separated (default: %(default)s)")
+    parser.add_argument("--policy", type=policy_list, default="lru,arc",
+                        help="kvtier eviction policies, comma-separated, each paired with "
+                        "vLLM's of that name or its default LRU (default: %(default)s)")
+    parser.add_argument("--store-threshold", type=int_list, default="1,2",
+                        help="offers a block needs before either manager stores it, "
+                        "comma-separated (default: %(default)s)")
     parser.add_argument("--lockstep", action="store_true",
                         help="replay both managers side by side, request by request")
-    parser.add_argument("--json", action="store_true")
-    parser.add_argument("--no-positions", dest="positions", action="store_false")
+    parser.add_argument("--json", action="store_true",
+                        help="one JSON object per row instead of a table")
+    parser.add_argument("--no-positions", dest="positions", action="store_false",
+                        help="leave the blocks' end-token positions out of the "
+                        "request contexts")
     args = parser.parse_args(argv)
     policies: list[str] = args.policy
     pairs = {policy: vllm_counterpart(policy) for policy in policies}

@@ -124,13 +124,20 @@ def lockstep_seconds(requests: list[list[bytes]],
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("trace", nargs="?", type=Path, default=BUNDLED_TRACE)
-    ap.add_argument("--policies", type=policy_list, default="lru,plfu,adaptive")
-    ap.add_argument("--capacity", type=int_list, default="1000,4000,16000")
-    ap.add_argument("--rounds", type=positive_int, default=5)
+    ap.add_argument("trace", nargs="?", type=Path, default=BUNDLED_TRACE,
+                    help="Mooncake trace (default: the bundled conversation trace)")
+    ap.add_argument("--policies", type=policy_list, default="lru,plfu,adaptive",
+                    help="eviction policies, comma-separated; lru is always run "
+                    "(default: %(default)s)")
+    ap.add_argument("--capacity", type=int_list, default="1000,4000,16000",
+                    help="cache sizes in blocks, comma-separated (default: %(default)s)")
+    ap.add_argument("--rounds", type=positive_int, default=5,
+                    help="replays of each policy and capacity, the order rotating "
+                    "(default: %(default)s)")
     ap.add_argument("--lockstep", action="store_true",
                     help="replay the policies of a capacity side by side, request by request")
-    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--json", action="store_true",
+                    help="print the rows as one JSON list instead of a table")
     args = ap.parse_args(argv)
     policies = list(dict.fromkeys([BASELINE, *args.policies]))
     capacities: list[int] = args.capacity

@@ -56,9 +56,14 @@ def refused_offer_us(capacity: int, policy: str, offers: int) -> tuple[float, fl
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--capacity", default="1000,16000,64000")
-    ap.add_argument("--policies", default="default,lru")
-    ap.add_argument("--offers", type=int, default=200)
+    ap.add_argument("--capacity", default="1000,16000,64000",
+                    help="cache sizes in blocks, comma-separated, each >= 16 "
+                    "(default: %(default)s)")
+    ap.add_argument("--policies", default="default,lru",
+                    help="eviction policies, comma-separated (default: %(default)s)")
+    ap.add_argument("--offers", type=int, default=200,
+                    help="refused offers of 16 new blocks timed per policy and capacity "
+                    "(default: %(default)s)")
     args = ap.parse_args(argv)
     capacities = [int(c) for c in args.capacity.split(",")]
     if args.offers < 1 or min(capacities) < OFFER:

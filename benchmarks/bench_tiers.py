@@ -240,13 +240,17 @@ def bench_rebuild(args: argparse.Namespace, namespace: str) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--blocks", type=int, default=48, help="blocks per run")
-    parser.add_argument("--block-mib", type=float, default=2.0)
+    parser.add_argument("--block-mib", type=float, default=2.0,
+                        help="size of a block, MiB (default: %(default)s)")
     parser.add_argument("--batch", type=int, default=16, help="blocks per tier call / pipeline")
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--repeats", type=int, default=7,
+                        help="timed runs of each operation, interleaved, the median "
+                        "reported (default: %(default)s)")
     parser.add_argument("--dir", default=None, help="where the disk runs write (default: TMPDIR)")
     parser.add_argument("--cold", action="store_true", help="drop cached pages before reads")
     parser.add_argument("--url", default=None, help="Redis URL (default: start a local server)")
-    parser.add_argument("--only", choices=("disk", "redis"), default=None)
+    parser.add_argument("--only", choices=("disk", "redis"), default=None,
+                        help="time this tier only (default: both)")
     parser.add_argument("--rebuild-files", type=int, default=0,
                         help="also time a warm restart over this many files")
     parser.add_argument("--json", action="store_true", help="one JSON object per line")

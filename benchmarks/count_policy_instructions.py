@@ -110,9 +110,13 @@ def count(trace: Path, policy: str, capacity: int, l2_kib: int = 0,
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("trace", nargs="?", type=Path, default=BUNDLED_TRACE)
-    ap.add_argument("--policies", type=policy_list, default="lru,plfu,default")
-    ap.add_argument("--capacity", type=int_list, default="1000,4000,16000")
+    ap.add_argument("trace", nargs="?", type=Path, default=BUNDLED_TRACE,
+                    help="Mooncake trace (default: the bundled conversation trace)")
+    ap.add_argument("--policies", type=policy_list, default="lru,plfu,default",
+                    help="eviction policies, comma-separated; lru is always counted "
+                    "(default %(default)s)")
+    ap.add_argument("--capacity", type=int_list, default="1000,4000,16000",
+                    help="cache sizes in blocks, comma-separated (default %(default)s)")
     ap.add_argument("--l2-kib", type=non_negative_int, default=0,
                     help="also simulate an L2 of this many KiB and count its misses")
     ap.add_argument("--keep", type=Path, metavar="DIR",

@@ -34,13 +34,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--redis-kills", type=int, default=3,
                    help="redis-server kills without persistence, then as many with AOF "
                    "(default 3)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of both drills' random kill times and request loads "
+                   "(default 0)")
     p.add_argument("--json", action="store_true", help="one JSON object instead of tables")
     p.add_argument("--dir", type=Path, default=None,
                    help="disk tier directory to drill (default: a new temp dir, removed)")
     p.add_argument("--model", type=Path, default=None, help="model directory")
-    p.add_argument("--skip-disk", action="store_true")
-    p.add_argument("--skip-redis", action="store_true")
+    p.add_argument("--skip-disk", action="store_true", help="leave out the disk drill")
+    p.add_argument("--skip-redis", action="store_true", help="leave out the redis drill")
     return p.parse_args(argv)
 
 

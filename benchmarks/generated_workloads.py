@@ -188,22 +188,38 @@ def _kinds(text: str) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--kinds", type=_kinds, default=list(KINDS))
-    ap.add_argument("--seeds", type=seed_list, default=[1, 2, 3])
-    ap.add_argument("--capacity", type=int_list, default=[1000, 4000, 16000])
-    ap.add_argument("--policies", type=policy_list, default=["default"])
-    ap.add_argument("--requests", type=positive_int, default=10_000)
-    ap.add_argument("--key-seeds", type=seed_list, default=[0])
+    ap.add_argument("--kinds", type=_kinds, default=list(KINDS),
+                    help="workloads of kvtier generate, comma-separated, of "
+                    f"{','.join(KINDS)} (default: all)")
+    ap.add_argument("--seeds", type=seed_list, default=[1, 2, 3],
+                    help="workload seeds, comma-separated, ranges A-B allowed "
+                    "(default: 1,2,3)")
+    ap.add_argument("--capacity", type=int_list, default=[1000, 4000, 16000],
+                    help="cache sizes in blocks, comma-separated (default: 1000,4000,16000)")
+    ap.add_argument("--policies", type=policy_list, default=["default"],
+                    help="policies to compare with LRU and ARC, comma-separated "
+                    "(default: default)")
+    ap.add_argument("--requests", type=positive_int, default=10_000,
+                    help="requests per generated workload (default: %(default)s)")
+    ap.add_argument("--key-seeds", type=seed_list, default=[0],
+                    help="block-hash seeds to replay each workload under, as --seeds "
+                    "(kvtier replay --key-seed; 0: the hashes as generated; default: 0)")
     ap.add_argument("--gpu-blocks", type=positive_int, default=None, metavar="N",
                     help="replay behind a model of vLLM's prefix cache of N blocks "
                     "(kvtier replay --gpu-blocks); cells are the CPU tier's hit ratios")
     ap.add_argument("--gpu-batch-tokens", type=positive_int, default=None, metavar="T",
                     help="with --gpu-blocks: vLLM's scheduler with T tokens a step over "
                     "a queue that never runs dry (default: one request at a time)")
-    ap.add_argument("--floor", type=float, default=0.98)
-    ap.add_argument("--large", type=positive_int, default=16_000)
-    ap.add_argument("--json", action="store_true")
-    ap.add_argument("--check", action="store_true")
+    ap.add_argument("--floor", type=float, default=0.98,
+                    help="a cell misses below this many times LRU's hit ratio "
+                    "(default: %(default)s)")
+    ap.add_argument("--large", type=positive_int, default=16_000,
+                    help="from this many blocks a cell also misses more than "
+                    f"{LARGE_SLACK} below the better of LRU and ARC (default: %(default)s)")
+    ap.add_argument("--json", action="store_true",
+                    help="print every cell as one JSON list instead of the table")
+    ap.add_argument("--check", action="store_true",
+                    help="exit with status 1 when any cell misses")
     args = ap.parse_args(argv)
     if args.gpu_batch_tokens is not None and args.gpu_blocks is None:
         ap.error("--gpu-batch-tokens needs --gpu-blocks")

@@ -82,7 +82,8 @@ def report(requests: Requests, short: int) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("trace", nargs="?", type=Path, default=BUNDLED_TRACE)
+    ap.add_argument("trace", nargs="?", type=Path, default=BUNDLED_TRACE,
+                    help="Mooncake trace (default: the bundled conversation trace)")
     ap.add_argument("--short", type=positive_int, default=40,
                     help="a gap of at most this many requests is short (default 40)")
     args = ap.parse_args(argv)

@@ -278,10 +278,12 @@ def table(ratios: dict[tuple[str, int], float], capacities: list[int]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("trace", nargs="?", type=Path, default=BUNDLED_TRACE)
+    ap.add_argument("trace", nargs="?", type=Path, default=BUNDLED_TRACE,
+                    help="Mooncake trace (default: the bundled conversation trace)")
     ap.add_argument("--capacity", type=int_list, default="1000,4000,16000",
                     help="cache sizes in blocks, comma-separated")
-    ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--no-progress", action="store_true",
+                    help="no progress bar on stderr (shown only on a terminal)")
     args = ap.parse_args(argv)
     try:
         requests = [r.hash_ids for r in load_trace(args.trace)]

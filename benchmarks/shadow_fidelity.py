@@ -95,11 +95,18 @@ def label(candidate: object) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("trace", type=Path)
-    ap.add_argument("--capacity", type=positive_int, default=1000)
-    ap.add_argument("--gpu-blocks", type=positive_int, default=500)
-    ap.add_argument("--gpu-batch-tokens", type=positive_int, default=None)
-    ap.add_argument("--rates", default="0.03125,0.125,0.5,1")
+    ap.add_argument("trace", type=Path, help="Mooncake trace to replay (JSON lines)")
+    ap.add_argument("--capacity", type=positive_int, default=1000,
+                    help="CPU tier size in blocks (default: %(default)s)")
+    ap.add_argument("--gpu-blocks", type=positive_int, default=500,
+                    help="blocks of the engine's prefix cache in front of kvtier "
+                    "(default: %(default)s)")
+    ap.add_argument("--gpu-batch-tokens", type=positive_int, default=None,
+                    help="vLLM's scheduler with this many tokens a step over a queue "
+                    "that never runs dry (default: one request at a time)")
+    ap.add_argument("--rates", default="0.03125,0.125,0.5,1",
+                    help="shadow sampling rates, comma-separated, each in (0, 1]; 1: a "
+                    "shadow as large as the cache (default: %(default)s)")
     args = ap.parse_args(argv)
     try:
         rates = [float(r) for r in args.rates.split(",")]

@@ -209,7 +209,9 @@ def stack_distances(requests: list[TraceRequest], sample: int = 16) -> list[int]
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("outdir")
+    ap.add_argument("outdir",
+                    help="directory to write NAME.jsonl into, one per variant "
+                    "(created if missing)")
     ap.add_argument("--only", default="", help="comma-separated variant names")
     ap.add_argument("--stats", action="store_true", help="print each trace's shape")
     args = ap.parse_args(argv)

@@ -99,14 +99,21 @@ def vllm_hit_ratio(requests: Sequence[Any], capacity: int, policy: str, gpu_bloc
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("trace", type=Path)
-    ap.add_argument("--gpu-blocks", type=int, default=500)
+    ap.add_argument("trace", type=Path, help="Mooncake trace to replay (JSON lines)")
+    ap.add_argument("--gpu-blocks", type=int, default=500,
+                    help="blocks of the engine's prefix cache in front of the managers "
+                    "(default: %(default)s)")
     ap.add_argument("--gpu-batch-tokens", type=int, default=None,
                     help="vLLM's scheduler over a queue that never runs dry (default: "
                     "one request at a time)")
-    ap.add_argument("--capacity", default="1000,4000")
-    ap.add_argument("--policy", default="lru,arc")
-    ap.add_argument("--limit-requests", type=int, default=None)
+    ap.add_argument("--capacity", default="1000,4000",
+                    help="CPU tier sizes in blocks, comma-separated (default: %(default)s)")
+    ap.add_argument("--policy", default="lru,arc",
+                    help="cache policies, comma-separated, each a name both vLLM and "
+                    "kvtier know (default: %(default)s)")
+    ap.add_argument("--limit-requests", type=int, default=None,
+                    help="replay only this many of the trace's first requests "
+                    "(default: all)")
     args = ap.parse_args(argv)
     trace = list(itertools.islice(iter_trace(args.trace), args.limit_requests))
     requests = served_requests(trace)
