@@ -100,7 +100,7 @@ def test_the_table_does_not_claim_more_repeats_than_a_row_has(tmp_path: Path) ->
 
 def test_the_table_counts_the_runs_whose_policy_switched(tmp_path: Path) -> None:
     """Whether the adaptive policy's shadows switched moves its hit ratio
-    between runs (README, "Policy targets"): the table says in how many of a
+    between runs (docs/serving-benchmark.md): the table says in how many of a
     row's repeats they did, and nothing for vLLM's manager, which has none."""
     results = [run_result("vllm-lru", 0), run_result("vllm-lru", 1),
                run_result("default", 0, policy_switches=2.0),

@@ -70,7 +70,8 @@ def logged(caplog: pytest.LogCaptureFixture) -> list[str]:
 def acl_server() -> Iterator[RedisServer]:
     """A server whose ``default`` user needs ``ADMIN_PW``, with two ACL users:
     ``alice`` (the kvtier command set on ``kvtier:*`` keys, configured by the
-    README's ``user`` line) and ``mallory`` (the same commands on ``other:*``)."""
+    ``user`` line of docs/guarantees.md, "Security") and ``mallory`` (the same
+    commands on ``other:*``)."""
     commands = ["-@all", *(f"+{c}" for c in KVTIER_COMMANDS)]
     srv = start(password=ADMIN_PW,
                 config={"user": " ".join(["alice", "on", f">{ALICE_PW}", "~kvtier:*",

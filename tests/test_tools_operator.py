@@ -295,7 +295,7 @@ def test_the_soak_names_the_flag_of_a_bad_sample_every(
 def test_the_soak_takes_at_most_100_samples_by_default(
         tmp_path: Path, capsys: pytest.CaptureFixture[str],
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """README: "A soak prints a header and one line per sample (100 in all)".
+    """docs/guarantees.md: "A soak prints a header and one line per sample (100 in all)".
     The default interval was ``requests // 100`` rounded down: 150 requests
     took a sample after every request (150 lines), 1,000,050 took 101."""
     monkeypatch.setenv("TMPDIR", str(tmp_path))
