@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from kvtier.admission import DEFAULT_MAX_TRACKER_SIZE
@@ -90,6 +90,7 @@ class OffloadManager:
         self._lease_count = self._holds.leases
         self._wants_reuse = self.policy.wants_reuse
         self._wants_demand = self.policy.wants_demand
+        self._wants_asks = self.policy.wants_asks
         self._wants_running_order = self.policy.wants_running_order
         self._free = FreeSlots(num_blocks)
         # Promotions in flight (also in ``_writing``): see ``reserve``.
@@ -164,6 +165,8 @@ class OffloadManager:
         leased_before = len(ctx.leased)
         if hits:
             hits = self._lease_run(keys, hits, ctx, now)
+        if self._wants_asks:
+            self._report_asks(keys[:hits + 1], ctx)
         self.lookups.count(ctx, len(ctx.leased) - leased_before,
                            keys[hits] if hits < len(keys) else None, len(keys) - hits)
         return hits
@@ -199,6 +202,8 @@ class OffloadManager:
         check_keys((key,))
         if ctx.first_asked is None:
             ctx.first_asked = key
+        if self._wants_asks:
+            self._report_asks((key,), ctx)
         if key in self._writing:
             return LookupResult.HIT_PENDING
         now = self._expire_leases()
@@ -208,6 +213,13 @@ class OffloadManager:
             return LookupResult.MISS
         self.lookups.count(ctx, int(fresh), None, 0)
         return LookupResult.HIT
+
+    def _report_asks(self, keys: Sequence[bytes], ctx: RequestContext) -> None:
+        """Tell the policy which of ``keys`` ``ctx`` asks for the first time
+        (``EvictionPolicy.on_asked``), before any change they bring."""
+        new = ctx.new_asks(keys)
+        if new:
+            self.policy.on_asked(new)
 
     def release(self, ctx: RequestContext) -> None:
         """Drop the leases ``ctx`` still holds (keys it looked up but will not load)."""
@@ -315,6 +327,8 @@ class OffloadManager:
         """
         self.bind(ctx)
         keys = check_keys(keys)
+        if self._wants_asks and ctx.first_asked is not None:
+            self._report_asks(keys[ctx.asked_from(keys):], ctx)
         candidates = self._record_offer(keys, ctx)
         if candidates:
             candidates = self.store_gate.admit(candidates, ctx)

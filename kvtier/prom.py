@@ -14,6 +14,7 @@ ENGINE_LABELS = ("engine", "model_name")
 MEAN_GAUGES = frozenset({
     "vllm:kvtier_usage_ratio", "vllm:kvtier_policy_history_factor",
     "vllm:kvtier_policy_admission", "vllm:kvtier_policy_recency",
+    "vllm:kvtier_policy_admission_evidence",
     "vllm:kvtier_tier_available",
 })
 """kvtier's gauges that are a ratio, a setting or a 0/1 switch of one engine, not

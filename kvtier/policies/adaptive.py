@@ -9,6 +9,7 @@ from __future__ import annotations
 import zlib
 from collections.abc import Container, Iterable, Sequence
 
+from kvtier.policies.admission_evidence import AdmissionEvidence
 from kvtier.policies.plfu import PLFUPolicy
 from kvtier.policies.shadows import LRUShadow, PLFUShadow, Shadow
 from kvtier.policies.turns import TurnTracker
@@ -49,6 +50,16 @@ class AdaptivePolicy(PLFUPolicy):
       configuration is taken again (the return to ``START``, or one that
       leads).
 
+    * ``evidence`` (``kvtier.policies.admission_evidence``): while admission
+      is off, what it would have changed on the cache itself, from the keys
+      requests ask for (``on_asked``: every key, in the order the cache sees
+      them, where the shadows see a sample, each request whole at its end).
+      A shadow's lead for admission is not followed while the evidence is
+      against admission beyond noise; where the shadows do not decide, the
+      best admission configuration is taken when the evidence is for it
+      beyond noise and its shadow scores above ``START``'s (docs/policy.md,
+      "Admission measured on the cache").
+
     Admission (``wants_admission``): while active, ``admit`` stores the
     leading candidates the history knows and declines the rest of the offer
     (a suffix, so a stored block's prefix is stored with it), unless all of
@@ -62,8 +73,9 @@ class AdaptivePolicy(PLFUPolicy):
     are the prefix of the conversation's next turn. The shadows are plain PLFU.
 
     Invariants: PLFU's (``evict`` atomic, never a blocked or protected key,
-    ``len`` = resident blocks); shadows never see blocked keys and never
-    affect the real cache except through the configuration.
+    ``len`` = resident blocks); shadows never see blocked keys, and neither
+    they nor the evidence affect the real cache except through the
+    configuration.
 
     Memory: PLFU's bound with the largest history (``max(FACTORS) *
     capacity`` history keys, about ``3 * capacity`` ghosts), plus the shadows:
@@ -71,13 +83,15 @@ class AdaptivePolicy(PLFUPolicy):
     bounds each, where ``rate`` is at most ``MAX_RATE``, and the LRU
     miniature's ``rate * capacity`` keys; in all at most about
     ``(max(FACTORS) + 4) * capacity * (1 + (len(CANDIDATES) + 1) * rate)`` keys,
-    ``TURN_ENDS * capacity`` request ends, and the sampled keys waiting for
-    the epoch's end (fewer than a shadow's capacity plus one request's).
+    ``TURN_ENDS * capacity`` request ends, the sampled keys waiting for
+    the epoch's end (fewer than a shadow's capacity plus one request's), and
+    the evidence's marks (``2 * capacity`` keys).
     """
 
     name = "adaptive"
     wants_admission = True
     wants_demand = True
+    wants_asks = True
 
     FACTORS = (4, 8, 16, 32)
     """Candidate history lengths with admission, in multiples of the capacity
@@ -186,6 +200,7 @@ class AdaptivePolicy(PLFUPolicy):
         self._sampled = 0
         self._pending: list[tuple[list[bytes], int]] = []  # this epoch's sampled requests
         self.turns = TurnTracker(self.TURN_ENDS * self.capacity)
+        self.evidence = AdmissionEvidence(self.capacity)
 
     # -- introspection -------------------------------------------------------
 
@@ -194,6 +209,7 @@ class AdaptivePolicy(PLFUPolicy):
         sizes.update(_shadow_totals(s.sizes() for s in self.shadows))
         sizes["shadow_pending"] = sum(len(keys) for keys, _ in self._pending)
         sizes["turn_ends"] = len(self.turns)
+        sizes.update(self.evidence.sizes())
         return sizes
 
     def size_bounds(self, batch: int) -> dict[str, int]:
@@ -203,15 +219,19 @@ class AdaptivePolicy(PLFUPolicy):
                                      for s in self.shadows))
         bounds["shadow_pending"] = self._shadow_capacity + batch
         bounds["turn_ends"] = self.turns.limit
+        bounds["evidence_stored"] = bounds["evidence_displaced"] = self.evidence.limit
         return bounds
 
     def gauges(self) -> dict[str, int]:
         """The active configuration and how often it changed: ``history_factor``,
         ``admission`` (1 while on), ``recency`` (1 while the cache runs as
-        LRU) and ``switches`` (never decreases, also across ``clear()``,
-        which returns to ``START`` without counting)."""
+        LRU), ``admission_evidence`` (the evidence's decayed lead, in hits:
+        above 0 for admission) and ``switches`` (never decreases, also across
+        ``clear()``, which returns to ``START`` without counting)."""
         return {"history_factor": self.history_factor, "admission": int(self.admission),
-                "recency": int(self.recency), "switches": self.switches}
+                "recency": int(self.recency),
+                "admission_evidence": round(self.evidence.lead),
+                "switches": self.switches}
 
     def configuration(self) -> tuple[int, bool]:
         """The active (history factor, admission)."""
@@ -232,11 +252,21 @@ class AdaptivePolicy(PLFUPolicy):
     # -- the contract --------------------------------------------------------
 
     def admit(self, keys: list[bytes]) -> int:
-        if not self.admission:  # checked first: len(self) costs more than the rest
-            return len(keys)
         room = self.capacity - len(self)
         if len(keys) <= room:
+            if not self.admission:
+                self.evidence.fits()
             return len(keys)
+        n = self._admissible(keys, room)
+        if self.admission:
+            return n
+        self.evidence.offered(keys[n:], n - room)
+        return len(keys)
+
+    def _admissible(self, keys: list[bytes], room: int) -> int:
+        """How many leading ``keys`` admission stores, ``room`` (less than
+        ``len(keys)``) being free: the leading keys the history knows, or
+        ``room`` if more."""
         if self._aging:
             self._age_keys(keys)
         counts = self._counts
@@ -244,6 +274,20 @@ class AdaptivePolicy(PLFUPolicy):
             if key not in counts:
                 return i if i > room else room
         return len(keys)
+
+    def evict(self, n: int, protected: Container[bytes]) -> list[bytes] | None:
+        victims = super().evict(n, protected)
+        if victims and not self.admission:
+            self.evidence.evicted(victims)
+        return victims
+
+    def on_asked(self, keys: list[bytes]) -> None:
+        if not self.admission:
+            self.evidence.asked(keys, self._is_resident)
+
+    def _is_resident(self, key: bytes) -> bool:
+        """Whether ``key`` is resident."""
+        return key in self._recent or key in self._window
 
     def on_access(self, keys: Sequence[bytes], reused: Container[bytes]) -> None:
         self.on_demand_access(keys, reused, 0)
@@ -303,6 +347,8 @@ class AdaptivePolicy(PLFUPolicy):
         self._feed_pending()
         self._sampled = 0
         self._end_epoch(self.shadows)
+        if not self.admission:  # frozen while admission is on: nothing to measure
+            self.evidence.end_epoch(self.DECAY)
         if self._epochs < self.RECENCY_AFTER:
             self._epochs += 1
         ready = self.recency or self._epochs >= self.RECENCY_AFTER
@@ -318,17 +364,26 @@ class AdaptivePolicy(PLFUPolicy):
 
     def _follow_best(self, shadows: list[Shadow]) -> None:
         """Switch to the best of ``shadows`` if it leads the active one beyond
-        noise; return to ``START`` once the active one no longer leads START's."""
+        noise, unless the evidence is against the admission it would bring;
+        failing that, take admission where the evidence is for it and an
+        admission shadow leads START's, if not beyond noise. Return to
+        ``START`` once the active one no longer leads START's."""
         if self._back_to_start(shadows):
             return
-        active = shadows[self._active]
+        verdict = 0 if self.admission else self.evidence.verdict(self.Z)
         best = max(range(len(shadows)), key=lambda i: shadows[i].score)
-        if best == self._active:
-            return
-        s = shadows[best]
-        lead = s.score - active.score - 1.0  # less one hit: Z's docstring
-        if lead > 0 and lead * lead > self.Z * self.Z * s.spread:
-            self._switch(best)
+        if best != self._active:
+            s = shadows[best]
+            lead = s.score - shadows[self._active].score - 1.0  # less one hit: Z's docstring
+            if (lead > 0 and lead * lead > self.Z * self.Z * s.spread
+                    and not (s.admission and verdict < 0)):
+                self._switch(best)
+                return
+        if verdict > 0:
+            admitting = max((i for i, s in enumerate(shadows) if s.admission),
+                            key=lambda i: shadows[i].score)
+            if shadows[admitting].score > shadows[self._start].score:  # else undone next epoch
+                self._switch(admitting)
 
     def _back_to_start(self, shadows: list[Shadow]) -> bool:
         """Take ``START``'s configuration if the active one's shadow no longer
@@ -343,6 +398,8 @@ class AdaptivePolicy(PLFUPolicy):
         """Take shadow ``index``'s configuration; differences restart from it."""
         self._active = index
         s = self.shadows[index]
+        if s.admission and not self.admission:
+            self.evidence.forget_marks()
         self.history_factor, self.admission = s.history_factor, s.admission
         self.recency = s.recency
         self.history_limit = self.history_factor * self.capacity

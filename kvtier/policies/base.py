@@ -43,6 +43,12 @@ class EvictionPolicy(ABC):
     * ``on_store_misses(keys)``: new store candidates, each once per request,
       before their ``insert`` (ghost-list policies learn from them); returns
       the keys it learned from, so the manager remembers only those;
+    * ``on_asked(keys)`` (only when ``wants_asks``): keys a request asks this
+      cache for, each once per request, as it asks: at a lookup, the keys up
+      to and including the first one not ready; at an offer, those past where
+      the request began asking (``keys[asked_from:]``, a block it computed
+      again, or one found after a miss). The manager's state is as of the
+      ask: a resident key is one the request could have had;
     * ``admit(keys)`` (only when ``wants_admission``): new store candidates of
       one offer, in offer order, after the manager's own admission
       (``store_threshold``) and before any eviction; returns how many leading
@@ -66,6 +72,8 @@ class EvictionPolicy(ABC):
     """True when ``admit`` may decline keys; lets the manager skip the calls."""
     wants_demand: ClassVar[bool] = False
     """True when the policy takes ``on_demand_access`` in place of ``on_access``."""
+    wants_asks: ClassVar[bool] = False
+    """True when ``on_asked`` does something; lets the manager skip the calls."""
     wants_running_order: ClassVar[bool] = False
     """True when ``keep_ahead`` does something; lets the manager skip computing its keys."""
     reads_key_bytes: ClassVar[bool] = True
@@ -92,6 +100,10 @@ class EvictionPolicy(ABC):
 
     def end_run(self, run: object) -> None:
         """Forget the running request of token ``run`` (it finished); nothing here."""
+        return None
+
+    def on_asked(self, keys: list[bytes]) -> None:
+        """Keys a request asks for, first time each (``wants_asks``); nothing here."""
         return None
 
     def admit(self, keys: list[bytes]) -> int:

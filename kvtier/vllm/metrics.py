@@ -108,6 +108,10 @@ POLICY_GAUGES = {
                              "the capacity.",
     "policy_admission": "1 while the adaptive policy declines new blocks the history "
                         "does not know (admission on), else 0.",
+    "policy_admission_evidence": "The adaptive policy's evidence on admission, measured on "
+                                 "the cache while admission is off: hits it would have "
+                                 "kept minus hits it would have lost, decayed (above 0: "
+                                 "for admission).",
     "policy_recency": "1 while the adaptive policy runs the cache as LRU (its LRU shadow "
                       "led), else 0.",
 }

@@ -1,8 +1,8 @@
 """The eviction-policy contract under random use, shared by every policy's tests.
 
 ``exercise`` plays a sequence of operations (store with admission and
-eviction, and ``keep_ahead`` as for a later chunk, ``end_run``; access, pin/unpin, failed
-store, explicit evict) against a policy
+eviction, and ``keep_ahead`` as for a later chunk, ``end_run``; asks, access,
+pin/unpin, failed store, explicit evict) against a policy
 the way the manager would, and checks after each one what every policy owes:
 atomic eviction (a failed ``evict`` leaves the policy as it was), never a
 blocked or protected victim, ``len`` = resident blocks, admission declines
@@ -79,6 +79,8 @@ def _access(pol: EvictionPolicy, ks: list[bytes], reused: set[bytes],
     the keys the request asked for (the rest were served by a cache in front)."""
     if pol.wants_running_order and rng.random() < 0.5:
         pol.end_run(rng.choice(RUNS))
+    if pol.wants_asks:  # as the manager reports a lookup: a run of the request's keys
+        pol.on_asked(ks[rng.randint(0, len(ks)):])
     if pol.wants_demand:
         pol.on_demand_access(ks, reused, rng.randint(0, len(ks)))
     else:
@@ -89,6 +91,8 @@ def _store(pol: EvictionPolicy, ks: list[bytes], resident: set[bytes], rng: rand
            snapshot: Callable[[EvictionPolicy], object] | None) -> None:
     """Store what is new, as the manager does: misses, admission, room, insert."""
     new = [key for key in ks if key not in resident][:pol.capacity]
+    if pol.wants_asks and rng.random() < 0.5:  # asked as offered
+        pol.on_asked(ks)
     if pol.wants_store_misses:
         pol.on_store_misses(new)
     n = pol.admit(new) if pol.wants_admission else len(new)
