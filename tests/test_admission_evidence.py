@@ -4,7 +4,7 @@ and what the default policy does with the evidence (kvtier.policies.adaptive).""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import pytest
 
@@ -61,6 +61,8 @@ def test_a_stored_block_evicted_is_in_neither_cache() -> None:
     ev.offered(ks([7, 8]), room_taken=0)
     ev.evicted([k(7), k(1)])
     assert list(ev.stored) == [k(8)] and list(ev.displaced) == [k(1)]
+    ev.removed(k(8))  # a failed store: gone without eviction
+    assert not ev.stored
 
 
 def test_asks_vote_once_per_mark() -> None:
@@ -82,7 +84,7 @@ def test_the_verdict_asks_for_a_lead_beyond_the_noise_of_the_asks() -> None:
     for i in range(40):  # 40 asks, one vote for admission each
         ev.offered([], room_taken=0)
         ev.evicted([k(i)])
-        ev.asked([k(i)], lambda key: False)
+        ev.asked({k(i)}, lambda key: False)
     ev.end_epoch(0.9)
     assert ev.lead == 40 and ev.verdict(1.5) == 1
     assert ev.verdict(10.0) == 0
@@ -101,6 +103,7 @@ def test_marks_are_bounded_by_the_limit() -> None:
     ev.evicted(ks(range(20)))
     assert ev.sizes() == {"evidence_stored": 8, "evidence_displaced": 8}
     assert list(ev.stored) == ks(range(112, 120))  # the newest kept
+    assert list(ev.displaced) == ks(range(12, 20))
     with pytest.raises(ValueError, match="limit must be an int >= 1"):
         AdmissionEvidence(0)
 
@@ -115,10 +118,10 @@ class _Recorder(LRUPolicy):
 
     def __init__(self, capacity: int) -> None:
         super().__init__(capacity)
-        self.asks: list[list[bytes]] = []
+        self.asks: list[set[bytes]] = []
 
-    def on_asked(self, keys: list[bytes]) -> None:
-        self.asks.append(list(keys))
+    def on_asked(self, keys: Collection[bytes]) -> None:
+        self.asks.append(set(keys))
 
 
 def _manager() -> tuple[OffloadManager, _Recorder]:
@@ -141,15 +144,15 @@ def test_a_lookup_reports_its_hits_and_first_miss_once_per_request() -> None:
     assert pol.asks == []  # a request that never looked up asked for nothing
     ctx = RequestContext("r")
     assert mgr.lookup(ks(range(6)), ctx) == 3
-    assert pol.asks == [ks(range(4))]  # what a lookup shows: up to the first miss
+    assert pol.asks == [set(ks(range(4)))]  # what a lookup shows: up to the first miss
     mgr.lookup(ks(range(6)), ctx)  # asked again while it waits: nothing new
-    assert pol.asks == [ks(range(4))]
+    assert pol.asks == [set(ks(range(4)))]
     mgr.prepare_store(ks(range(6)), ctx)  # the rest, reported before it is stored
-    assert pol.asks == [ks(range(4)), ks([4, 5])]
+    assert pol.asks == [set(ks(range(4))), set(ks([4, 5]))]
     mgr.on_request_finished(ctx)
     other = RequestContext("r2")
     mgr.lookup(ks(range(2)), other)  # another request: its own report
-    assert pol.asks[-1] == ks(range(2))
+    assert pol.asks[-1] == set(ks(range(2)))
 
 
 def test_lookup_one_reports_each_key_once() -> None:
@@ -159,7 +162,7 @@ def test_lookup_one_reports_each_key_once() -> None:
     for _ in range(2):  # vLLM asks again at each step while the request waits
         for key in ks(range(3)):
             mgr.lookup_one(key, ctx)
-    assert pol.asks == [[k(0)], [k(1)], [k(2)]]
+    assert pol.asks == [{k(0)}, {k(1)}, {k(2)}]
 
 
 def test_an_offer_reports_only_past_where_the_request_began_asking() -> None:
@@ -170,9 +173,9 @@ def test_an_offer_reports_only_past_where_the_request_began_asking() -> None:
     keys = ks(range(8))
     ctx.set_positions(keys, 16, 16)
     mgr.lookup(keys[4:], ctx)
-    assert pol.asks == [[k(4)]]
+    assert pol.asks == [{k(4)}]
     mgr.prepare_store(keys, ctx)
-    assert pol.asks == [[k(4)], ks([5, 6, 7])]
+    assert pol.asks == [{k(4)}, set(ks([5, 6, 7]))]
 
 
 def test_a_policy_that_does_not_want_asks_is_not_told() -> None:

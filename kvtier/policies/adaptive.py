@@ -7,7 +7,7 @@ docs/policy.md ("Adaptive") has the measurements behind it.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Container, Iterable, Sequence
+from collections.abc import Collection, Container, Iterable, Sequence
 
 from kvtier.policies.admission_evidence import AdmissionEvidence
 from kvtier.policies.plfu import PLFUPolicy
@@ -281,7 +281,11 @@ class AdaptivePolicy(PLFUPolicy):
             self.evidence.evicted(victims)
         return victims
 
-    def on_asked(self, keys: list[bytes]) -> None:
+    def remove(self, key: bytes) -> None:
+        super().remove(key)
+        self.evidence.removed(key)
+
+    def on_asked(self, keys: Collection[bytes]) -> None:
         if not self.admission:
             self.evidence.asked(keys, self._is_resident)
 

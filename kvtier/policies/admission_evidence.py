@@ -31,7 +31,7 @@ beside the shadows, tested against its own noise (``verdict``).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 
 class AdmissionEvidence:
@@ -70,11 +70,12 @@ class AdmissionEvidence:
         would have ``declined`` (maybe none) are marked ``stored``;
         ``room_taken``: the evictions the cache with admission would have
         made for the rest, applied at the eviction that follows (``evicted``)."""
-        stored, displaced = self.stored, self.displaced
-        for key in declined:
-            displaced.pop(key, None)
-            stored[key] = None
-        _trim(stored, self.limit)
+        displaced = self.displaced
+        if displaced and not displaced.keys().isdisjoint(declined):
+            for key in declined:
+                displaced.pop(key, None)
+        self.stored.update(dict.fromkeys(declined))  # at C speed
+        _trim(self.stored, self.limit)
         self._pending = True
         self._room_taken = room_taken
 
@@ -91,13 +92,22 @@ class AdmissionEvidence:
         room_taken = self._room_taken if self._pending else len(victims)
         self._pending = False
         displaced, stored = self.displaced, self.stored
-        while room_taken and displaced:
-            displaced.popitem(last=False)
-            room_taken -= 1
-        for key in victims[room_taken:]:
-            if stored.pop(key, _ABSENT) is _ABSENT:  # not in the other cache either
-                displaced[key] = None
+        if room_taken >= len(displaced):
+            room_taken -= len(displaced)
+            displaced.clear()
+        else:
+            for _ in range(room_taken):
+                displaced.popitem(last=False)
+            room_taken = 0
+        kept = victims[room_taken:]
+        if stored and not stored.keys().isdisjoint(kept):  # not in the other cache either
+            kept = [key for key in kept if stored.pop(key, _ABSENT) is _ABSENT]
+        displaced.update(dict.fromkeys(kept))
         _trim(displaced, self.limit)
+
+    def removed(self, key: bytes) -> None:
+        """``key`` left the cache without eviction (its store failed)."""
+        self.stored.pop(key, None)
 
     def forget_marks(self) -> None:
         """Drop the marks (admission came on: the two caches are one from
@@ -106,21 +116,20 @@ class AdmissionEvidence:
         self.displaced.clear()
         self._pending = False
 
-    def asked(self, keys: Iterable[bytes], resident: Callable[[bytes], bool]) -> None:
+    def asked(self, keys: Collection[bytes], resident: Callable[[bytes], bool]) -> None:
         """A request asks for ``keys`` (``resident(key)``: the cache holds it now)."""
         stored, displaced = self.stored, self.displaced
         if not stored and not displaced:
             return
-        votes_for = votes_against = 0
-        for key in keys:
-            if key in stored:
-                del stored[key]
-                if resident(key):
-                    votes_against += 1
-            elif key in displaced:
-                del displaced[key]
-                if not resident(key):
-                    votes_for += 1
+        votes_against = votes_for = 0
+        for key in stored.keys() & keys:  # a key is in one set at most
+            del stored[key]
+            if resident(key):
+                votes_against += 1
+        for key in displaced.keys() & keys:
+            del displaced[key]
+            if not resident(key):
+                votes_for += 1
         if votes_for or votes_against:
             self.votes_for += votes_for
             self.votes_against += votes_against

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Container, Sequence
+from collections.abc import Collection, Container, Sequence
 from typing import ClassVar
 
 
@@ -102,8 +102,9 @@ class EvictionPolicy(ABC):
         """Forget the running request of token ``run`` (it finished); nothing here."""
         return None
 
-    def on_asked(self, keys: list[bytes]) -> None:
-        """Keys a request asks for, first time each (``wants_asks``); nothing here."""
+    def on_asked(self, keys: Collection[bytes]) -> None:
+        """Keys a request asks for, first time each, in no order (``wants_asks``);
+        nothing here."""
         return None
 
     def admit(self, keys: list[bytes]) -> int:
