@@ -157,7 +157,9 @@ class AdmissionEvidence:
 
     def clear(self) -> None:
         """Forget every mark and vote."""
-        self.__init__(self.limit)  # type: ignore[misc]
+        self.forget_marks()
+        self.votes_for = self.votes_against = 0
+        self.lead = self.spread = self._epoch_spread = 0.0
 
     def sizes(self) -> dict[str, int]:
         """Marked keys: ``evidence_stored`` and ``evidence_displaced``."""
