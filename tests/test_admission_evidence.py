@@ -4,7 +4,7 @@ and what the default policy does with the evidence (kvtier.policies.adaptive).""
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection
 
 import pytest
 
@@ -13,7 +13,7 @@ from kvtier import OffloadManager, RequestContext
 from kvtier.policies import AdaptivePolicy, LRUPolicy
 from kvtier.policies.admission_evidence import AdmissionEvidence
 from kvtier.policies.shadows import Shadow
-from kvtier.replay.driver import replay, trace_keys
+from kvtier.replay.driver import replay, replay_request, trace_keys
 from kvtier.replay.generate import generate
 
 
@@ -256,16 +256,8 @@ def test_evidence_for_admission_does_not_take_it_against_the_shadows() -> None:
     assert OffloadManager(100, policy="adaptive").stats()["policy_admission_evidence"] == 0
 
 
-def _ask(mgr: OffloadManager, keys: Sequence[bytes], name: str) -> None:
-    ctx = RequestContext(name)
-    hits = mgr.lookup(list(keys), ctx)
-    out = mgr.prepare_store(list(keys), ctx)
-    if out is not None and out.keys_to_store:
-        mgr.complete_store(out.keys_to_store, ctx)
-    if hits:
-        mgr.prepare_load(list(keys)[:hits], ctx)
-        mgr.complete_load(list(keys)[:hits], ctx)
-    mgr.on_request_finished(ctx)
+def _ask(mgr: OffloadManager, keys: list[bytes], name: str) -> None:
+    replay_request(mgr, keys, RequestContext(name))
 
 
 def test_the_default_marks_and_counts_through_a_manager() -> None:
