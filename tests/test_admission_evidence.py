@@ -104,8 +104,45 @@ def test_marks_are_bounded_by_the_limit() -> None:
     assert ev.sizes() == {"evidence_stored": 8, "evidence_displaced": 8}
     assert list(ev.stored) == ks(range(112, 120))  # the newest kept
     assert list(ev.displaced) == ks(range(12, 20))
-    with pytest.raises(ValueError, match="limit must be an int >= 1"):
+    with pytest.raises(ValueError, match="capacity must be an int >= 1"):
         AdmissionEvidence(0)
+
+
+def test_a_sampled_evidence_marks_only_its_keys_within_its_limit() -> None:
+    ev = AdmissionEvidence(4000, rate=0.25)
+    assert ev.limit == 1000
+    declined, victims = ks(range(10_000, 10_400)), ks(range(400))
+    ev.offered(declined, room_taken=0)
+    ev.evicted(victims)
+    assert list(ev.stored) == ev.sample.keys(declined)
+    assert list(ev.displaced) == ev.sample.keys(victims)
+    assert 60 < len(ev.stored) < 140 and 60 < len(ev.displaced) < 140  # about a quarter
+
+
+def test_a_sampled_evidence_drops_its_share_of_the_displaced_blocks() -> None:
+    ev = AdmissionEvidence(100_000, rate=0.25)
+    ev.offered([], room_taken=0)
+    ev.evicted(ks(range(4000)))  # about 1,000 sampled displaced marks
+    marked = list(ev.displaced)
+    victims = ks(range(100_000, 100_100))
+    for victim in victims:  # offers the other cache makes room for: 3 blocks each
+        ev.offered([], room_taken=3)
+        ev.evicted([victim])
+    # 300 of the other cache's displaced blocks: 75 sampled marks, oldest
+    # first (the fractions carried from eviction to eviction); it still
+    # holds the victims, now displaced too
+    assert list(ev.displaced) == marked[75:] + ev.sample.keys(victims)
+    ev.offered([], room_taken=10_000)  # more than it has displaced: it also
+    ev.evicted(ks(range(200_000, 200_040)))  # evicts the leading victims
+    assert not ev.displaced
+
+
+def test_the_default_samples_its_evidence_past_evidence_blocks() -> None:
+    small, large = AdaptivePolicy(1000), AdaptivePolicy(16_000)
+    assert small.evidence.sample.rate == 1 and small.evidence.limit == 1000
+    assert large.evidence.sample.rate == AdaptivePolicy.EVIDENCE_BLOCKS / 16_000
+    assert large.evidence.limit == AdaptivePolicy.EVIDENCE_BLOCKS
+    assert large.size_bounds(1)["evidence_stored"] == AdaptivePolicy.EVIDENCE_BLOCKS
 
 
 # -- the manager's report ----------------------------------------------------

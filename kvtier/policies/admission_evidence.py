@@ -26,6 +26,11 @@ displaced one that is missing is a hit admission would have had (a vote for
 it). Each mark is read once. The count is first order (it does not follow
 what a kept block would have displaced in turn), so it serves as evidence
 beside the shadows, tested against its own noise (``verdict``).
+
+A large cache's evidence may be drawn from a key sample (``rate`` below 1):
+only sampled keys are marked, the other cache's evictions drop the
+sample's share of its displaced marks, and the votes, fewer, are tested
+against their own (larger) noise as before.
 """
 
 from __future__ import annotations
@@ -33,12 +38,16 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Sequence
 
+from kvtier.policies.key_sample import KeySample
+
 
 class AdmissionEvidence:
     """Votes for and against admission, from marked keys of the real cache.
 
-    Owns ``stored`` and ``displaced`` (insertion-ordered key sets of at most
-    ``limit`` keys each, oldest dropped first), the eviction of the current
+    Owns ``sample`` (a :class:`KeySample` of ``rate``: only its keys are
+    marked), ``stored`` and ``displaced`` (insertion-ordered key sets of at
+    most ``limit`` = ``rate * capacity`` keys each, oldest dropped first),
+    the eviction of the current
     offer it waits for (how many victims the cache with admission would
     have taken), this epoch's votes, and their decayed ``lead`` (votes for
     minus against) and ``spread`` (decayed sum of each ask's squared
@@ -48,17 +57,20 @@ class AdmissionEvidence:
     from a mark, which it removes. Memory: ``2 * limit`` keys.
     """
 
-    __slots__ = ("limit", "stored", "displaced", "_room_taken", "_pending",
-                 "votes_for", "votes_against", "lead", "spread", "_epoch_spread")
+    __slots__ = ("limit", "sample", "stored", "displaced", "_room_taken", "_pending",
+                 "_drops_owed", "votes_for", "votes_against", "lead", "spread",
+                 "_epoch_spread")
 
-    def __init__(self, limit: int) -> None:
-        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-            raise ValueError(f"limit must be an int >= 1, got {limit!r}")
-        self.limit = limit
+    def __init__(self, capacity: int, rate: float = 1.0) -> None:
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+            raise ValueError(f"capacity must be an int >= 1, got {capacity!r}")
+        self.sample = KeySample(rate)
+        self.limit = max(1, round(capacity * rate))
         self.stored: OrderedDict[bytes, None] = OrderedDict()
         self.displaced: OrderedDict[bytes, None] = OrderedDict()
         self._pending = False
         self._room_taken = 0
+        self._drops_owed = 0.0  # sampled displaced marks owed to evictions, below one
         self.votes_for = 0
         self.votes_against = 0
         self.lead = 0.0
@@ -70,6 +82,7 @@ class AdmissionEvidence:
         would have ``declined`` (maybe none) are marked ``stored``;
         ``room_taken``: the evictions the cache with admission would have
         made for the rest, applied at the eviction that follows (``evicted``)."""
+        declined = self.sample.keys(declined)
         displaced = self.displaced
         if displaced and not displaced.keys().isdisjoint(declined):
             for key in declined:
@@ -91,19 +104,31 @@ class AdmissionEvidence:
         victims it keeps are marked displaced."""
         room_taken = self._room_taken if self._pending else len(victims)
         self._pending = False
-        displaced, stored = self.displaced, self.stored
-        if room_taken >= len(displaced):
-            room_taken -= len(displaced)
-            displaced.clear()
-        else:
-            for _ in range(room_taken):
-                displaced.popitem(last=False)
-            room_taken = 0
-        kept = victims[room_taken:]
+        kept = self.sample.keys(victims[self._drop_displaced(room_taken):])
+        stored = self.stored
         if stored and not stored.keys().isdisjoint(kept):  # not in the other cache either
             kept = [key for key in kept if stored.pop(key, _ABSENT) is _ABSENT]
-        displaced.update(dict.fromkeys(kept))
-        _trim(displaced, self.limit)
+        self.displaced.update(dict.fromkeys(kept))
+        _trim(self.displaced, self.limit)
+
+    def _drop_displaced(self, room_taken: int) -> int:
+        """The other cache evicts ``room_taken`` blocks, its displaced ones
+        first, oldest first: drop their marks (the sample's share of them,
+        the fraction carried to the next eviction); return how many of
+        them were not displaced ones (the leading victims it evicts too)."""
+        displaced = self.displaced
+        rate = self.sample.rate
+        drops = room_taken * rate + self._drops_owed
+        if drops >= len(displaced):
+            left = round((drops - len(displaced)) / rate)
+            displaced.clear()
+            self._drops_owed = 0.0
+            return left
+        whole = int(drops)
+        self._drops_owed = drops - whole
+        for _ in range(whole):
+            displaced.popitem(last=False)
+        return 0
 
     def removed(self, key: bytes) -> None:
         """``key`` left the cache without eviction (its store failed)."""
@@ -115,6 +140,7 @@ class AdmissionEvidence:
         self.stored.clear()
         self.displaced.clear()
         self._pending = False
+        self._drops_owed = 0.0
 
     def asked(self, keys: Collection[bytes], resident: Callable[[bytes], bool]) -> None:
         """A request asks for ``keys`` (``resident(key)``: the cache holds it now)."""
