@@ -32,11 +32,6 @@ class KeySample:
         self.rate = float(rate)
         self._threshold = int(rate * _HASH_SPACE)
 
-    @property
-    def whole(self) -> bool:
-        """Whether every key is sampled."""
-        return self._threshold >= _HASH_SPACE
-
     def keys(self, keys: Iterable[bytes]) -> list[bytes]:
         """The sampled keys of ``keys``, in order."""
         if self._threshold >= _HASH_SPACE:
