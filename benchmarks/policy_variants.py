@@ -22,11 +22,11 @@ window rules, no turns), for ``shadow_fidelity.py``.
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Container, Sequence
 from typing import Any
 
 from kvtier.policies.adaptive import AdaptivePolicy
+from kvtier.policies.key_sample import KeySample
 from kvtier.policies.plfu import PLFUPolicy
 from kvtier.policies.shadows import PLFUShadow, Shadow
 from kvtier.policies.turns import TurnTracker
@@ -220,7 +220,7 @@ class WarmStart(AdaptivePolicy):
     def _init_adaptive(self) -> None:
         super()._init_adaptive()
         rate = min(1.0, self.rate * self.WARM_FACTOR)
-        self._warm_threshold = int(rate * (1 << 32))
+        self._warm_sample = KeySample(rate)
         self._warm_capacity = max(self.MIN_SHADOW, round(self.capacity * rate))
         self.warm: list[Shadow] = [PLFUShadow(self._warm_capacity, f, admission)
                                    for f, admission in self.CANDIDATES]
@@ -231,9 +231,8 @@ class WarmStart(AdaptivePolicy):
         super().on_demand_access(keys, reused, asked_from)
         if not self.warm:
             return
-        crc, threshold = zlib.crc32, self._warm_threshold
-        served = [k for k in keys[:asked_from] if crc(k) < threshold]
-        sampled = served + [k for k in keys[asked_from:] if crc(k) < threshold]
+        served = self._warm_sample.keys(keys[:asked_from])
+        sampled = served + self._warm_sample.keys(keys[asked_from:])
         if not sampled:
             return
         self._feed(self.warm, [(sampled, len(served))])

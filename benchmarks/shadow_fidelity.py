@@ -30,6 +30,7 @@ from typing import ClassVar
 
 from kvtier.argtypes import positive_int
 from kvtier.policies.adaptive import AdaptivePolicy
+from kvtier.policies.key_sample import KeySample
 from kvtier.policies.shadows import LRUShadow, PLFUShadow, Shadow
 from kvtier.replay.behind_engine import replay_behind_engine, served_requests
 from kvtier.replay.trace import load_trace
@@ -63,7 +64,7 @@ class Sampler(AdaptivePolicy):
 
     def __init__(self, rate: float) -> None:
         super().__init__(AdaptivePolicy.MIN_SHADOW)
-        self._threshold = int(rate * (1 << 32))
+        self._sample = KeySample(rate)
 
 
 def sampled(log: list[Access], rate: float) -> list[Access]:
