@@ -145,7 +145,7 @@ class AdaptivePolicy(PLFUPolicy):
     so its marks never exceed ``2 * EVIDENCE_BLOCKS`` keys. On whole keys it
     cost 0.38 x LRU's manager time at 16,000 blocks, its two mark sets of
     24,000 keys meeting the CPU caches cold at every ask; sampled, 0.2 x,
-    and of 856 lab cells at 4,000 and 16,000 blocks 818 kept their hits
+    and of 852 lab cells at 4,000 and 16,000 blocks 814 kept their hits
     exactly, 38 moved by -1.5 to +3.6 % (docs/policy.md, "The evidence
     sampled on large caches")."""
     DECAY = 1 - 1 / max(FACTORS)
