@@ -190,7 +190,6 @@ class AdaptivePolicy(PLFUPolicy):
         rate = min(self.MAX_RATE, max(self.MIN_RATE, self.SHADOW_BLOCKS / capacity))
         self.rate = rate
         self._sample = KeySample(rate)
-        self._evidence_rate = min(1.0, self.EVIDENCE_BLOCKS / capacity)
         self._shadow_capacity = max(self.MIN_SHADOW, round(capacity * rate))
         self.switches = 0
         """Configuration switches the shadows chose (and ``configure`` calls);
@@ -210,7 +209,8 @@ class AdaptivePolicy(PLFUPolicy):
         self._sampled = 0
         self._pending: list[tuple[list[bytes], int]] = []  # this epoch's sampled requests
         self.turns = TurnTracker(self.TURN_ENDS * self.capacity)
-        self.evidence = AdmissionEvidence(self.capacity, self._evidence_rate)
+        self.evidence = AdmissionEvidence(self.capacity,
+                                          min(1.0, self.EVIDENCE_BLOCKS / self.capacity))
 
     # -- introspection -------------------------------------------------------
 
@@ -297,11 +297,7 @@ class AdaptivePolicy(PLFUPolicy):
 
     def on_asked(self, keys: Collection[bytes]) -> None:
         if not self.admission:
-            self.evidence.asked(keys, self._is_resident)
-
-    def _is_resident(self, key: bytes) -> bool:
-        """Whether ``key`` is resident."""
-        return key in self._recent or key in self._window
+            self.evidence.asked(keys, self.is_resident)
 
     def on_access(self, keys: Sequence[bytes], reused: Container[bytes]) -> None:
         self.on_demand_access(keys, reused, 0)

@@ -247,6 +247,10 @@ class PLFUPolicy(EvictionPolicy):
                 "history_aging": self.history_limit + batch,
                 "ghost_window": ghosts, "ghost_main": ghosts}
 
+    def is_resident(self, key: bytes) -> bool:
+        """Whether ``key`` is resident (in either segment)."""
+        return key in self._recent or key in self._window
+
     def segment(self, key: bytes) -> str | None:
         """``"window"``, ``"main"`` or None (not resident)."""
         if key in self._window:
