@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from kvtier.admission import DEFAULT_MAX_TRACKER_SIZE
@@ -166,7 +166,7 @@ class OffloadManager:
         if hits:
             hits = self._lease_run(keys, hits, ctx, now)
         if self._wants_asks:
-            self._report_asks(keys[:hits + 1], ctx)
+            self.policy.on_asked(keys[:hits + 1])
         self.lookups.count(ctx, len(ctx.leased) - leased_before,
                            keys[hits] if hits < len(keys) else None, len(keys) - hits)
         return hits
@@ -203,7 +203,7 @@ class OffloadManager:
         if ctx.first_asked is None:
             ctx.first_asked = key
         if self._wants_asks:
-            self._report_asks((key,), ctx)
+            self.policy.on_asked((key,))
         if key in self._writing:
             return LookupResult.HIT_PENDING
         now = self._expire_leases()
@@ -213,13 +213,6 @@ class OffloadManager:
             return LookupResult.MISS
         self.lookups.count(ctx, int(fresh), None, 0)
         return LookupResult.HIT
-
-    def _report_asks(self, keys: Sequence[bytes], ctx: RequestContext) -> None:
-        """Tell the policy which of ``keys`` ``ctx`` asks for the first time
-        (``EvictionPolicy.on_asked``), before any change they bring."""
-        new = ctx.new_asks(keys)
-        if new:
-            self.policy.on_asked(new)
 
     def release(self, ctx: RequestContext) -> None:
         """Drop the leases ``ctx`` still holds (keys it looked up but will not load)."""
@@ -328,7 +321,7 @@ class OffloadManager:
         self.bind(ctx)
         keys = check_keys(keys)
         if self._wants_asks and ctx.first_asked is not None:
-            self._report_asks(keys[ctx.asked_from(keys):], ctx)
+            self.policy.on_asked(keys[ctx.asked_from(keys):])
         candidates = self._record_offer(keys, ctx)
         if candidates:
             candidates = self.store_gate.admit(candidates, ctx)

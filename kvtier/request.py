@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import operator
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 from kvtier.keys import check_keys
 
@@ -29,8 +29,6 @@ class RequestContext:
       request (its per-tier admission, ``kvtier.tiers.cascade``);
     * ``first_asked``: the first key it looked up (None before any lookup): the
       keys ahead of it were served by a cache in front, such as the engine's;
-    * ``asked``: the keys already reported to the policy as asked for
-      (``new_asks``; only for a policy that ``wants_asks``);
     * ``missed_at``: the keys at which its counted lookups missed (a lookup's
       first missing key), so that a request asking again for the same blocks
       while it waits is not counted again in the manager's misses, whatever
@@ -65,7 +63,6 @@ class RequestContext:
         "skipped",
         "ghost_checked",
         "first_asked",
-        "asked",
         "missed_at",
         "leased",
         "loading",
@@ -100,7 +97,6 @@ class RequestContext:
         self.skipped: set[bytes] = set()
         self.ghost_checked: set[bytes] = set()
         self.first_asked: bytes | None = None
-        self.asked: set[bytes] = set()
         self.missed_at: set[bytes] = set()
         self.leased: set[bytes] = set()
         self.loading: dict[bytes, int] = {}
@@ -283,15 +279,6 @@ class RequestContext:
                 self._order_edits += 1
         return order
 
-    def new_asks(self, keys: Iterable[bytes]) -> set[bytes]:
-        """The keys of ``keys`` not reported as asked before, now recorded as
-        reported: each key is reported once per request, however often vLLM
-        asks again while the request waits."""
-        new = set(keys)
-        new -= self.asked  # set operations: at C speed
-        self.asked |= new
-        return new
-
     def asked_from(self, keys: list[bytes]) -> int:
         """Index of the first of ``keys`` (an ``access_order``, head first) that
         the request asked the cache for: ``first_asked``, or failing that the
@@ -325,7 +312,6 @@ class RequestContext:
         self.skipped.clear()
         self.ghost_checked.clear()
         self.first_asked = None
-        self.asked.clear()
         self.missed_at.clear()
         self.leased.clear()
         self._run_view = None

@@ -82,15 +82,23 @@ class AdmissionEvidence:
         would have ``declined`` (maybe none) are marked ``stored``;
         ``room_taken``: the evictions the cache with admission would have
         made for the rest, applied at the eviction that follows (``evicted``)."""
-        declined = self.sample.keys(declined)
-        displaced = self.displaced
-        if displaced and not displaced.keys().isdisjoint(declined):
-            for key in declined:
-                displaced.pop(key, None)
-        self.stored.update(dict.fromkeys(declined))  # at C speed
-        _trim(self.stored, self.limit)
+        if declined:
+            self._mark_stored(self.sample.keys(declined))
         self._pending = True
         self._room_taken = room_taken
+
+    def _mark_stored(self, keys: list[bytes]) -> None:
+        """Mark sampled ``keys`` stored (they leave ``displaced`` if there)."""
+        if not keys:
+            return
+        displaced = self.displaced
+        if displaced and not displaced.keys().isdisjoint(keys):
+            for key in keys:
+                displaced.pop(key, None)
+        stored = self.stored
+        stored.update(dict.fromkeys(keys))  # at C speed
+        if len(stored) > self.limit:
+            _trim(stored, self.limit)
 
     def fits(self) -> None:
         """An offer fits without eviction (in either cache)."""
@@ -105,11 +113,15 @@ class AdmissionEvidence:
         room_taken = self._room_taken if self._pending else len(victims)
         self._pending = False
         kept = self.sample.keys(victims[self._drop_displaced(room_taken):])
+        if not kept:
+            return
         stored = self.stored
         if stored and not stored.keys().isdisjoint(kept):  # not in the other cache either
             kept = [key for key in kept if stored.pop(key, _ABSENT) is _ABSENT]
-        self.displaced.update(dict.fromkeys(kept))
-        _trim(self.displaced, self.limit)
+        displaced = self.displaced
+        displaced.update(dict.fromkeys(kept))
+        if len(displaced) > self.limit:
+            _trim(displaced, self.limit)
 
     def _drop_displaced(self, room_taken: int) -> int:
         """The other cache evicts ``room_taken`` blocks, its displaced ones
@@ -144,18 +156,19 @@ class AdmissionEvidence:
 
     def asked(self, keys: Collection[bytes], resident: Callable[[bytes], bool]) -> None:
         """A request asks for ``keys`` (``resident(key)``: the cache holds it now)."""
-        stored, displaced = self.stored, self.displaced
-        if not stored and not displaced:
-            return
         votes_against = votes_for = 0
-        for key in stored.keys() & keys:  # a key is in one set at most
-            del stored[key]
-            if resident(key):
-                votes_against += 1
-        for key in displaced.keys() & keys:
-            del displaced[key]
-            if not resident(key):
-                votes_for += 1
+        stored = self.stored
+        if stored:
+            for key in stored.keys() & keys:  # a key is in one set at most
+                del stored[key]
+                if resident(key):
+                    votes_against += 1
+        displaced = self.displaced
+        if displaced:
+            for key in displaced.keys() & keys:
+                del displaced[key]
+                if not resident(key):
+                    votes_for += 1
         if votes_for or votes_against:
             self.votes_for += votes_for
             self.votes_against += votes_against

@@ -44,11 +44,14 @@ class EvictionPolicy(ABC):
       before their ``insert`` (ghost-list policies learn from them); returns
       the keys it learned from, so the manager remembers only those;
     * ``on_asked(keys)`` (only when ``wants_asks``): keys a request asks this
-      cache for, each once per request, as it asks: at a lookup, the keys up
-      to and including the first one not ready; at an offer, those past where
-      the request began asking (``keys[asked_from:]``, a block it computed
-      again, or one found after a miss). The manager's state is as of the
-      ask: a resident key is one the request could have had;
+      cache for, as it asks: at a lookup, the keys up to and including the
+      first one not ready; at an offer, those past where the request began
+      asking (``keys[asked_from:]``, blocks it computed again or found after
+      a miss). A key comes again each time it is asked again (vLLM asks at
+      every step while a request waits; the offer repeats the lookup's
+      keys): a policy that counts asks keeps its own record of what it has
+      counted. The manager's state is as of the ask: a resident key is one
+      the request could have had;
     * ``admit(keys)`` (only when ``wants_admission``): new store candidates of
       one offer, in offer order, after the manager's own admission
       (``store_threshold``) and before any eviction; returns how many leading
@@ -103,7 +106,7 @@ class EvictionPolicy(ABC):
         return None
 
     def on_asked(self, keys: Collection[bytes]) -> None:
-        """Keys a request asks for, first time each, in no order (``wants_asks``);
+        """Keys a request asks for, each time it asks (``wants_asks``);
         nothing here."""
         return None
 
