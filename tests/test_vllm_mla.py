@@ -30,7 +30,10 @@ pytestmark = [
 
 BLOCK = 16
 """vLLM's CPU MLA kernel takes 16-token blocks only."""
-SETTINGS = E.EngineSettings(dtype="float32", block_size=BLOCK, num_gpu_blocks=128)
+SETTINGS = E.EngineSettings(dtype="float32", block_size=BLOCK, num_gpu_blocks=128,
+                            engine_args={"attention_backend": "CPU_MLA"})
+"""The reference CPU MLA backend: on a CPU with AMX tiles vLLM prefers its
+AMX backend, which takes bfloat16 weights only and refuses this float32 model."""
 SHARED = token_prompt(200, start=5)
 PROMPTS = [token_prompt(300, start=11 + 97 * i) for i in range(2)] + [
     SHARED + token_prompt(100 + 7 * i, start=3000 + 31 * i) for i in range(2)]
