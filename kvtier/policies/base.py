@@ -48,8 +48,9 @@ class EvictionPolicy(ABC):
       first one not ready; at an offer, those past where the request began
       asking (``keys[asked_from:]``, blocks it computed again or found after
       a miss). A key comes again each time it is asked again (vLLM asks at
-      every step while a request waits; the offer repeats the lookup's
-      keys): a policy that counts asks keeps its own record of what it has
+      every step while a request waits; an offer repeats the lookup's
+      first miss, or more of its keys where the offer holds them): a
+      policy that counts asks keeps its own record of what it has
       counted. The manager's state is as of the ask: a resident key is one
       the request could have had;
     * ``admit(keys)`` (only when ``wants_admission``): new store candidates of
