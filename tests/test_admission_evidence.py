@@ -297,6 +297,53 @@ def _ask(mgr: OffloadManager, keys: list[bytes], name: str) -> None:
     replay_request(mgr, keys, RequestContext(name))
 
 
+def _epoch_with_scores(pol: AdaptivePolicy, admission_score: float, spread: float) -> None:
+    """End an epoch with START's shadow (and LRU's) at 10 and the admission
+    shadows at ``admission_score``, each ``spread`` from the active one."""
+    for s in pol.shadows:
+        s.score = admission_score if s.admission else 10.0
+        s.spread = spread
+    pol._decide()
+
+
+def _new_offer_marks(mgr: OffloadManager, first: int) -> int:
+    """Offer ten blocks never seen to the full cache; how many it marked."""
+    pol = mgr.policy
+    assert isinstance(pol, AdaptivePolicy)
+    before = len(pol.evidence.stored)
+    _ask(mgr, ks(range(first, first + 10)), f"new{first}")
+    return len(pol.evidence.stored) - before
+
+
+def test_the_evidence_rests_while_every_admission_shadow_trails_beyond_noise() -> None:
+    mgr = OffloadManager(100, policy="adaptive")
+    pol = mgr.policy
+    assert isinstance(pol, AdaptivePolicy) and pol.measuring_admission
+    for r in range(2):
+        _ask(mgr, ks(range(100)), f"old{r}")
+    assert _new_offer_marks(mgr, 1000) == 10
+    # behind START's by 8 hits, its noise (Z = 1.5 standard deviations) 1.5:
+    # no admission shadow can be taken at the next epoch, whatever the verdict
+    _epoch_with_scores(pol, 2.0, 1.0)
+    assert not pol.measuring_admission and not pol.evidence.stored  # marks dropped
+    assert _new_offer_marks(mgr, 2000) == 0
+    votes = pol.evidence.votes_for + pol.evidence.votes_against
+    _ask(mgr, ks(range(100)), "asks again")  # evicted blocks: no vote
+    assert pol.evidence.votes_for + pol.evidence.votes_against == votes
+    # the control: the same deficit within its noise (spread 100: 15 hits)
+    _epoch_with_scores(pol, 2.0, 100.0)
+    assert pol.measuring_admission
+    assert _new_offer_marks(mgr, 3000) == 10
+
+
+def test_the_evidence_rests_while_admission_is_on() -> None:
+    pol = AdaptivePolicy(1000)
+    pol.configure(16, True)
+    assert not pol.measuring_admission
+    pol.configure(8, False)
+    assert pol.measuring_admission
+
+
 def test_the_default_marks_and_counts_through_a_manager() -> None:
     # A full cache of blocks two requests used; a new offer of blocks never
     # seen evicts ten of them: admission would have declined it.

@@ -58,7 +58,10 @@ class AdaptivePolicy(PLFUPolicy):
       against admission beyond noise; where the shadows do not decide, the
       best admission configuration is taken when the evidence is for it
       beyond noise and its shadow scores above ``START``'s (docs/policy.md,
-      "Admission measured on the cache").
+      "Admission measured on the cache"). Both need an admission shadow
+      within noise of ``START``'s, so the evidence is fed only in epochs
+      that follow one (``measuring_admission``; docs/policy.md, "The
+      evidence rests while the shadows rule admission out").
 
     Admission (``wants_admission``): while active, ``admit`` stores the
     leading candidates the history knows and declines the rest of the offer
@@ -211,6 +214,7 @@ class AdaptivePolicy(PLFUPolicy):
         self.turns = TurnTracker(self.TURN_ENDS * self.capacity)
         self.evidence = AdmissionEvidence(self.capacity,
                                           min(1.0, self.EVIDENCE_BLOCKS / self.capacity))
+        self._measuring = True  # the evidence is fed (_update_measuring)
 
     # -- introspection -------------------------------------------------------
 
@@ -243,6 +247,11 @@ class AdaptivePolicy(PLFUPolicy):
                 "admission_evidence": round(self.evidence.lead),
                 "switches": self.switches}
 
+    @property
+    def measuring_admission(self) -> bool:
+        """Whether the evidence is fed now (``_update_measuring``)."""
+        return self._measuring
+
     def configuration(self) -> tuple[int, bool]:
         """The active (history factor, admission)."""
         return self.history_factor, self.admission
@@ -264,13 +273,14 @@ class AdaptivePolicy(PLFUPolicy):
     def admit(self, keys: list[bytes]) -> int:
         room = self.capacity - len(self)
         if len(keys) <= room:
-            if not self.admission:
+            if self._measuring:
                 self.evidence.fits()
             return len(keys)
-        n = self._admissible(keys, room)
         if self.admission:
-            return n
-        self.evidence.offered(keys[n:], n - room)
+            return self._admissible(keys, room)
+        if self._measuring:
+            n = self._admissible(keys, room)
+            self.evidence.offered(keys[n:], n - room)
         return len(keys)
 
     def _admissible(self, keys: list[bytes], room: int) -> int:
@@ -287,7 +297,7 @@ class AdaptivePolicy(PLFUPolicy):
 
     def evict(self, n: int, protected: Container[bytes]) -> list[bytes] | None:
         victims = super().evict(n, protected)
-        if victims and not self.admission:
+        if victims and self._measuring:
             self.evidence.evicted(victims)
         return victims
 
@@ -296,7 +306,7 @@ class AdaptivePolicy(PLFUPolicy):
         self.evidence.removed(key)
 
     def on_asked(self, keys: Collection[bytes]) -> None:
-        if not self.admission:
+        if self._measuring:
             self.evidence.asked(keys, self.is_resident)
 
     def on_access(self, keys: Sequence[bytes], reused: Container[bytes]) -> None:
@@ -362,6 +372,31 @@ class AdaptivePolicy(PLFUPolicy):
             self._epochs += 1
         ready = self.recency or self._epochs >= self.RECENCY_AFTER
         self._follow_best(self.shadows if ready else self.shadows[:-1])  # LRU's is last
+        self._update_measuring()
+
+    def _update_measuring(self) -> None:
+        """Feed the evidence until the next epoch's end only while admission
+        is off and some admission shadow is not behind START's beyond noise
+        (``Z``, against its ``spread``). Behind it, no admission shadow
+        could be taken now whatever the verdict, and one epoch seldom
+        brings one to a lead; measuring would cost every offer, eviction
+        and ask for a verdict nobody reads. The marks go when it stops
+        (stale by the time it starts again); its lead decays meanwhile."""
+        measuring = not self.admission and self._admission_open()
+        if self._measuring and not measuring:
+            self.evidence.forget_marks()
+        self._measuring = measuring
+
+    def _admission_open(self) -> bool:
+        """Whether some admission shadow scores at least START's, less one hit
+        and ``Z`` standard deviations of its difference to the active one."""
+        start, bound = self.shadows[self._start].score, self.Z * self.Z
+        for s in self.shadows:
+            if s.admission:
+                behind = start - s.score - 1.0
+                if behind <= 0.0 or behind * behind <= bound * s.spread:
+                    return True
+        return False
 
     def _end_epoch(self, shadows: list[Shadow]) -> None:
         """Fold each shadow's hits of the epoch into its decayed score."""
@@ -409,6 +444,7 @@ class AdaptivePolicy(PLFUPolicy):
         s = self.shadows[index]
         if s.admission and not self.admission:
             self.evidence.forget_marks()
+        self._measuring = not s.admission
         self.history_factor, self.admission = s.history_factor, s.admission
         self.recency = s.recency
         self.history_limit = self.history_factor * self.capacity
