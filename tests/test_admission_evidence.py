@@ -323,14 +323,14 @@ def test_the_evidence_rests_while_every_admission_shadow_trails_beyond_noise() -
         _ask(mgr, ks(range(100)), f"old{r}")
     assert _new_offer_marks(mgr, 1000) == 10
     # behind START's by 8 hits, its noise (Z = 1.5 standard deviations) 1.5:
-    # no admission shadow can be taken at the next epoch, whatever the verdict
+    # no admission shadow could be taken now, whatever the verdict
     _epoch_with_scores(pol, 2.0, 1.0)
     assert not pol.measuring_admission and not pol.evidence.stored  # marks dropped
     assert _new_offer_marks(mgr, 2000) == 0
     votes = pol.evidence.votes_for + pol.evidence.votes_against
     _ask(mgr, ks(range(100)), "asks again")  # evicted blocks: no vote
     assert pol.evidence.votes_for + pol.evidence.votes_against == votes
-    # the control: the same deficit within its noise (spread 100: 15 hits)
+    # the control: the same deficit within its noise (spread 100: about 15 hits)
     _epoch_with_scores(pol, 2.0, 100.0)
     assert pol.measuring_admission
     assert _new_offer_marks(mgr, 3000) == 10
