@@ -382,7 +382,10 @@ class AdaptivePolicy(PLFUPolicy):
         brings one to a lead; measuring would cost every offer, eviction
         and ask for a verdict nobody reads. The marks go when it stops
         (stale by the time it starts again); its lead decays meanwhile."""
-        measuring = not self.admission and self._admission_open()
+        self._set_measuring(not self.admission and self._admission_open())
+
+    def _set_measuring(self, measuring: bool) -> None:
+        """Feed the evidence from now on or not; its marks go when it stops."""
         if self._measuring and not measuring:
             self.evidence.forget_marks()
         self._measuring = measuring
@@ -442,9 +445,7 @@ class AdaptivePolicy(PLFUPolicy):
         """Take shadow ``index``'s configuration; differences restart from it."""
         self._active = index
         s = self.shadows[index]
-        if s.admission and not self.admission:
-            self.evidence.forget_marks()
-        self._measuring = not s.admission
+        self._set_measuring(not s.admission)  # admission on: the two caches are one
         self.history_factor, self.admission = s.history_factor, s.admission
         self.recency = s.recency
         self.history_limit = self.history_factor * self.capacity
